@@ -1,0 +1,322 @@
+"""HF-layout safetensors checkpoints of the family (MODEL.md §7): read, check, convert, write.
+
+Two layouts: Kimi-Linear (prefix `model.`, `lm_head.weight`, `A_log` [1, 1, H, 1]) and K3 (prefix
+`language_model.model.`, `language_model.lm_head.weight`, `A_log` 1-D and zero-padded past H). Routed experts are
+per-expert `block_sparse_moe.experts.E.{w1,w2,w3}.weight` (float) or `.weight_packed` + `.weight_scale` (MXFP4:
+uint8 nibbles + E8M0 bytes, 32-element groups along the input dim); the model stacks them. Single files and
+sharded `model.safetensors.index.json` folders both load. A missing, extra or misshaped tensor is reported by its
+checkpoint name before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from k3compile.config import ConfigError, K3Config, load_config
+from k3compile.model.k3 import K3ForCausalLM, init_weights
+from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
+
+log = logging.getLogger(__name__)
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+LAYOUTS = ("kimi_linear", "k3")
+A_LOG_PAD = 128  # K3 stores A_log padded to a multiple of 128 entries (96 heads -> 128)
+
+_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w13|w2)(?:_(packed|scale))?$")
+_CKPT_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale)$")
+_DENSE_ALIAS = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config, or cannot be read; the message names the tensors."""
+
+
+def _prefix(layout: str) -> str:
+    return "language_model." if layout == "k3" else ""
+
+
+# ---- model state <-> checkpoint tensors ---------------------------------------------------------------------------
+
+def to_checkpoint(state: dict[str, torch.Tensor], cfg: K3Config, layout: str) -> dict[str, torch.Tensor]:
+    """Model state dict -> checkpoint tensors under HF names (works on meta tensors: reshapes only)."""
+    pre = _prefix(layout)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        if cfg.tie_word_embeddings and key == "lm_head.weight":
+            continue
+        m = _EXPERT.match(key)
+        if m:
+            base, which, part = m.groups()
+            suffix = {None: "weight", "packed": "weight_packed", "scale": "weight_scale"}[part]
+            for e in range(t.shape[0]):
+                if which == "w2":
+                    out[f"{pre}{base}.{e}.w2.{suffix}"] = t[e]
+                else:
+                    w1, w3 = t[e].chunk(2, dim=0)
+                    out[f"{pre}{base}.{e}.w1.{suffix}"] = w1
+                    out[f"{pre}{base}.{e}.w3.{suffix}"] = w3
+            continue
+        if key.endswith(".A_log"):
+            if layout == "k3":
+                pad = -t.numel() % A_LOG_PAD
+                t = torch.cat([t, t.new_zeros(pad)]) if pad else t
+            else:
+                t = t.view(1, 1, -1, 1)
+        out[pre + key] = t
+    return out
+
+
+def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: K3Config, layout: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (names already checked) -> model state dict."""
+    pre = _prefix(layout)
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        key = name[len(pre):]
+        m = _CKPT_EXPERT.match(key)
+        if m:
+            base, e, w, suffix = m.groups()
+            experts.setdefault((base, w, suffix), {})[int(e)] = t
+            continue
+        if key.endswith(".A_log"):
+            t = t.reshape(-1)[: cfg.kda_num_heads]  # K3 pads past H: narrow, never reshape
+        state[key] = t
+    for (base, w, suffix), per in list(experts.items()):
+        if w == "w3":
+            continue
+        stacked = torch.stack([per[e] for e in range(len(per))])
+        if w == "w1":
+            w3 = experts[(base, "w3", suffix)]
+            stacked = torch.cat([stacked, torch.stack([w3[e] for e in range(len(w3))])], dim=1)
+        part = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[suffix]
+        state[f"{base}.{'w13' if w == 'w1' else 'w2'}{part}"] = stacked
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+# ---- reading --------------------------------------------------------------------------------------------------------
+
+def _files(folder: Path) -> list[Path]:
+    if (folder / INDEX).is_file():
+        try:
+            wm = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{folder / INDEX}: unreadable shard index ({e})") from None
+        files = sorted({folder / f for f in wm.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shard(s) named in the index are missing: {', '.join(missing)}")
+        return files
+    if (folder / SINGLE).is_file():
+        return [folder / SINGLE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def _scan(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for f in files:
+        try:
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    found[k] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+    return found
+
+
+def _short(names: list[str], n: int = 6) -> str:
+    names = sorted(names)
+    more = f" … and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def detect_layout(names) -> str:
+    return "k3" if any(n.startswith("language_model.") for n in names) else "kimi_linear"
+
+
+def detect_expert_format(names) -> str | None:
+    fmt = None
+    for n in names:
+        m = _CKPT_EXPERT.match(n)
+        if m:
+            fmt = "mxfp4" if m.group(4) != "weight" else "float"
+            break
+    return fmt
+
+
+def _expected(cfg: K3Config, layout: str) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    return {k: tuple(v.shape) for k, v in to_checkpoint(model.state_dict(), cfg, layout).items()}
+
+
+def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str) -> None:
+    """Raise CheckpointError naming every missing, extra or misshaped tensor."""
+    want = _expected(cfg, layout)
+    missing = [k for k in want if k not in found]
+    extra = [k for k in found if k not in want]
+    bad = []
+    for k, shape in want.items():
+        if k in found and found[k] != shape:
+            if k.endswith(".A_log") and layout == "k3" and len(found[k]) == 1 and found[k][0] >= cfg.kda_num_heads:
+                continue  # any zero padding past H is accepted
+            bad.append(f"{k} {list(found[k])} (expected {list(shape)})")
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {_short(missing)}")
+    if extra:
+        problems.append(f"unexpected {len(extra)} tensor(s): {_short(extra)}")
+    if bad:
+        problems.append(f"misshaped: {_short(bad, 4)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match its config: " + "; ".join(problems))
+
+
+def load_checkpoint(
+    folder: str | Path,
+    cfg: K3Config | None = None,
+    experts: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> K3ForCausalLM:
+    """Load a checkpoint folder (config.json + safetensors). `experts`: "auto" keeps the checkpoint's expert
+    format, "mxfp4" quantizes float experts (OCP FLOOR rule), "float" dequantizes MXFP4 experts."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a checkpoint folder")
+    if cfg is None:
+        try:
+            cfg = load_config(folder)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+    files = _files(folder)
+    found = _scan(files)
+    names = {k: v[0] for k, v in found.items()}
+    layout = detect_layout(names)
+    pre = _prefix(layout)
+    # transformers writes the dense layer-0 MLP under block_sparse_moe.; the published files use mlp.
+    alias = {}
+    for k in list(names):
+        m = _DENSE_ALIAS.match(k[len(pre):])
+        if m and not cfg.is_moe(int(m.group(1).rsplit(".", 1)[1])):
+            alias[f"{pre}{m.group(1)}.mlp.{m.group(2)}"] = k
+    shapes = {alias_inv: found[k][1] for alias_inv, k in alias.items()}
+    shapes.update({k: v[1] for k, v in found.items() if k not in alias.values()})
+    stored = detect_expert_format(shapes) or cfg.expert_format
+    stored_cfg = cfg.replace(expert_format=stored)
+    check_names(stored_cfg, shapes, layout)
+    tensors: dict[str, torch.Tensor] = {}
+    src = {k: alias.get(k, k) for k in shapes}
+    by_file: dict[Path, list[str]] = {}
+    for k, s in src.items():
+        by_file.setdefault(found[s][0], []).append(k)
+    done = 0
+    for f, keys in by_file.items():
+        with safe_open(f, "pt") as h:
+            for k in keys:
+                t = h.get_tensor(src[k])
+                if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+                    t = t.view(torch.uint8)
+                tensors[k] = t if t.dtype == torch.uint8 else t.to(dtype)
+                done += 1
+                if progress:
+                    progress(done, len(src))
+    state = from_checkpoint(tensors, stored_cfg, layout)
+    target = stored if experts == "auto" else experts
+    if target not in ("float", "mxfp4"):
+        raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
+    if target != stored:
+        state = convert_experts(state, target, dtype)
+    final_cfg = cfg.replace(expert_format=target)
+    model = K3ForCausalLM(final_cfg).to(dtype)
+    model.load_state_dict(state, strict=True)
+    log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
+    return model.eval()
+
+
+def convert_experts(state: dict[str, torch.Tensor], target: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Stacked routed experts float <-> MXFP4 (quantize with the OCP FLOOR rule, or dequantize)."""
+    out = dict(state)
+    for key in list(state):
+        m = _EXPERT.match(key)
+        if not m:
+            continue
+        base, which, part = m.groups()
+        if target == "mxfp4" and part is None:
+            packed, scale = quantize_mxfp4(out.pop(key))
+            out[f"{base}.{which}_packed"], out[f"{base}.{which}_scale"] = packed, scale
+        elif target == "float" and part == "packed":
+            out[f"{base}.{which}"] = dequantize_mxfp4(out.pop(key), out.pop(f"{base}.{which}_scale")).to(dtype)
+    return out
+
+
+# ---- writing --------------------------------------------------------------------------------------------------------
+
+def save_checkpoint(
+    model: K3ForCausalLM,
+    folder: str | Path,
+    layout: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes). Layout defaults to k3 for
+    configs with K3 features, else kimi_linear."""
+    cfg = model.config
+    layout = layout or ("k3" if cfg.is_k3 else "kimi_linear")
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"layout: {layout!r} is not one of {LAYOUTS}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = to_checkpoint(model.state_dict(), cfg, layout)
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().clone()
+        for k, v in tensors.items()
+    }
+    cfg.save(folder / "config.json")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt"})
+        return folder
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return folder
+
+
+def load_model(
+    source: str | Path, seed: int = 0, experts: str = "auto", progress: Callable[[int, int], None] | None = None
+) -> K3ForCausalLM:
+    """A preset name or config.json (seeded random weights) or a checkpoint folder (its weights)."""
+    p = Path(source)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        return load_checkpoint(p, experts=experts, progress=progress)
+    cfg = load_config(source)
+    if experts != "auto":
+        cfg = cfg.replace(expert_format=experts)
+    return init_weights(K3ForCausalLM(cfg), seed=seed).eval()

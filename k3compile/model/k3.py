@@ -1,0 +1,146 @@
+"""The whole decoder: embedding, KDA/MLA mixers with dense or MoE FFNs, plain or Block Attention Residuals, head.
+
+`K3ForCausalLM.forward(input_ids [B, T], attention_mask [B, P+T] | None, past) -> (logits [B, T, V], present)`
+serves prefill (empty past) and decode alike. Parameter names follow the Kimi-Linear checkpoint layout
+(`model.layers.N.self_attn.*`, `model.layers.N.block_sparse_moe.*`, `model.layers.N.mlp.*`, `lm_head`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from k3compile.config import K3Config
+from k3compile.model.attnres import attn_res_mix
+from k3compile.model.cache import Past, init_past
+from k3compile.model.kda import KimiDeltaAttention
+from k3compile.model.mla import GatedMLA
+from k3compile.model.mlp import GatedMLP
+from k3compile.model.moe import MoE
+from k3compile.model.norms import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, index: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.is_mla = cfg.is_mla(index)
+        self.self_attn = GatedMLA(cfg) if self.is_mla else KimiDeltaAttention(cfg)
+        if cfg.is_moe(index):
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = GatedMLP(cfg, d, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if cfg.attn_res_block_size:
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+
+    def attention(self, x: Tensor, state, valid_new: Tensor | None, valid_all: Tensor | None):
+        """The mixer on the normalized input. valid_new [B, T] (KDA), valid_all [B, P+T] (MLA keys)."""
+        h = self.input_layernorm(x)
+        return self.self_attn(h, state, valid_all if self.is_mla else valid_new)
+
+    def ffn(self, x: Tensor) -> Tensor:
+        h = self.post_attention_layernorm(x)
+        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size:
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_past(self, batch: int) -> Past:
+        return init_past(self.config, batch, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, past: Past | None = None
+    ) -> tuple[Tensor, Past]:
+        cfg = self.config
+        b, t = input_ids.shape
+        if past is None:
+            past = self.init_past(b)
+        valid_all = valid_new = None
+        if attention_mask is not None:
+            valid_all = attention_mask.bool()
+            valid_new = valid_all[:, valid_all.shape[1] - t:]
+        h = self.model.embed_tokens(input_ids)
+        present: Past = []
+        layers = self.model.layers
+        if not cfg.attn_res_block_size:
+            for layer, state in zip(layers, past):
+                a, st = layer.attention(h, state, valid_new, valid_all)
+                present.append(st)
+                h = h + a
+                h = h + layer.ffn(h)
+        else:
+            bank: list[Tensor] = []
+            prefix: Tensor | None = h
+            for i, (layer, state) in enumerate(zip(layers, past)):
+                x = attn_res_mix(bank, prefix, layer.self_attention_res_proj, layer.self_attention_res_norm) \
+                    if bank else prefix
+                if i % cfg.attn_res_block_size == 0:  # close the block: its running sum becomes a summary
+                    bank.append(prefix)
+                    prefix = None
+                a, st = layer.attention(x, state, valid_new, valid_all)
+                present.append(st)
+                prefix = a if prefix is None else prefix + a
+                x = attn_res_mix(bank, prefix, layer.mlp_res_proj, layer.mlp_res_norm)
+                prefix = prefix + layer.ffn(x)
+            h = attn_res_mix(bank, prefix, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
+        return self.lm_head(self.model.norm(h)), present
+
+
+@torch.no_grad()
+def init_weights(model: K3ForCausalLM, seed: int = 0, std: float = 0.02) -> K3ForCausalLM:
+    """Seeded random init (deterministic across runs and machines): normal(std) matrices, unit norms, the KDA
+    gate parameters as FLA initializes them, MXFP4 experts quantized from a normal(std) float draw."""
+    from k3compile.quant.mx import quantize_mxfp4  # quant is a leaf package; no export code enters the model
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape, s=std):
+        return torch.randn(shape, generator=gen) * s
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or ".o_norm." in name:
+            p.fill_(1.0)
+        elif leaf == "A_log":
+            p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+        elif leaf == "dt_bias":
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            dt = dt.clamp_min(1e-4)
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        else:
+            p.copy_(normal(p.shape))
+    for mod in model.modules():
+        experts = getattr(mod, "experts", None)
+        if experts is not None and getattr(experts, "mxfp4", False):
+            for w in ("w13", "w2"):
+                packed = getattr(experts, f"{w}_packed")
+                shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+                pk, sc = quantize_mxfp4(normal(shape))
+                packed.copy_(pk)
+                getattr(experts, f"{w}_scale").copy_(sc)
+    return model

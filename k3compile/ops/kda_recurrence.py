@@ -1,0 +1,85 @@
+"""`k3::kda_recurrence`: the Kimi Delta Attention core (gated delta rule, per-key-channel decay), MODEL.md §2.
+
+Inputs (all [B, T, H, ·], fp32 compute): q̂ (l2-normalized and scaled by K^-1/2), k̂ (l2-normalized), v,
+g (log-space decay per key channel, <= 0), β [B, T, H], and the past state S [B, H, K, V].
+Outputs: o [B, T, H, V] and the present state [B, H, K, V], both fp32.
+
+Per token and head: S <- S * exp(g)[:, None]; S <- S + β k̂ ⊗ (v - k̂ᵀ S); o = Sᵀ q̂.
+Two eager forms: `kda_recurrent` (token by token; decode) and `kda_chunked` (WY/UT form over chunks; prefill).
+A padded position carries g = 0 and β = 0, which leaves S exactly unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK = 64
+
+
+def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Token-by-token recurrence. Shapes as in the module docstring."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    s = state.float().clone()
+    outs = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp().unsqueeze(-1)  # decay rows (key channels)
+        kt = k[:, t]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, s)
+        s = s + (beta[:, t, :, None, None] * kt.unsqueeze(-1)) * (v[:, t] - pred).unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, s
+
+
+def kda_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = DEFAULT_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """Chunked form (MODEL.md §2): exact to ~1e-6 against `kda_recurrent`; any T, last chunk may be short."""
+    q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))  # [B, H, T, ·]
+    s = state.float()
+    outs = []
+    for c0 in range(0, q.shape[2], chunk_size):
+        qc, kc, vc, gc = (t[:, :, c0 : c0 + chunk_size] for t in (q, k, v, g))
+        bc = beta[:, :, c0 : c0 + chunk_size]  # [B, H, C]
+        n = qc.shape[2]
+        cum = gc.cumsum(dim=2)  # G_r = Σ_{s<=r} g_s, [B, H, C, K]
+        # exp(G_r - G_c) only where c <= r (else -inf -> 0): the difference never exceeds 0, so it cannot overflow.
+        diff = cum.unsqueeze(3) - cum.unsqueeze(2)  # [B, H, r, c, K]
+        incl = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = diff.masked_fill(~incl[:, :, None], float("-inf")).exp()
+        kk = torch.einsum("bhrd,bhcd,bhrcd->bhrc", kc, kc, decay)
+        strict = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        lower = (bc.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)  # L[r, c], c < r
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        # T = (I + L)^-1 Diag(β): one unit-lower triangular solve.
+        tmat = torch.linalg.solve_triangular(eye + lower, torch.diag_embed(bc), upper=False, unitriangular=True)
+        w = tmat @ (cum.exp() * kc)
+        u = tmat @ vc
+        vn = u - w @ s
+        attn = torch.einsum("bhrd,bhcd,bhrcd->bhrc", qc, kc, decay)  # diagonal included
+        outs.append((qc * cum.exp()) @ s + attn @ vn)
+        last = cum[:, :, -1:]  # G_last [B, H, 1, K]
+        s = last.squeeze(2).exp().unsqueeze(-1) * s + ((last - cum).exp() * kc).transpose(-1, -2) @ vn
+    o = torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return o.transpose(1, 2).contiguous(), s
+
+
+@torch.library.custom_op("k3::kda_recurrence", mutates_args=())
+def kda_recurrence(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk_size: int = DEFAULT_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """One node: the recurrent form for a single token (decode), the chunked form for prefill."""
+    if q.shape[1] == 1:
+        return kda_recurrent(q, k, v, g, beta, initial_state)
+    o, s = kda_chunked(q, k, v, g, beta, initial_state, chunk_size)
+    return o, s.clone() if s is initial_state else s
+
+
+@kda_recurrence.register_fake
+def _(q, k, v, g, beta, initial_state, chunk_size=DEFAULT_CHUNK):
+    b, t, h, _ = q.shape
+    return (
+        q.new_empty((b, t, h, v.shape[-1]), dtype=torch.float32),
+        initial_state.new_empty(initial_state.shape, dtype=torch.float32),
+    )
