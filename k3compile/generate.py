@@ -1,0 +1,138 @@
+"""Token generation over a step backend: left-padded batched prefill, then one token per step.
+
+A backend is anything with `step(input_ids [B, T], attention_mask [B, P+T], past) -> (logits [B, T, V], present)`
+and `init_past(batch)`; `EagerBackend` wraps the PyTorch model (the ONNX and compiled backends plug in the same way).
+Greedy by default; temperature / top-p sampling draws from a seeded generator, so runs repeat exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from k3compile.model.k3 import K3ForCausalLM
+
+
+class GenerationError(ValueError):
+    """Bad generation input (token ids, options); the message says which."""
+
+
+class EagerBackend:
+    name = "eager"
+
+    def __init__(self, model: K3ForCausalLM) -> None:
+        self.model = model.eval()
+        self.config = model.config
+
+    def init_past(self, batch: int):
+        return self.model.init_past(batch)
+
+    @torch.no_grad()
+    def step(self, input_ids: Tensor, attention_mask: Tensor, past):
+        return self.model(input_ids, attention_mask, past)
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (stopping after EOS, which is kept)
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    logits: list[Tensor] = field(default_factory=list, repr=False)  # per step [B, V], when asked for
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps * len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompts -> (input_ids [B, Tmax], attention_mask [B, Tmax]) with padding on the left."""
+    t = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), t), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, t - len(p):] = 1
+    return ids, mask
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt needs at least one token id")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+
+
+def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> Tensor:
+    """logits [B, V] -> next token ids [B]."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # keeps at least the top token
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def generate(
+    backend,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    keep_logits: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Generation:
+    cfg = backend.config
+    check_prompts(prompts, cfg.vocab_size)
+    if max_new_tokens < 0:
+        raise GenerationError("max-new-tokens must be >= 0")
+    if not 0.0 < top_p <= 1.0:
+        raise GenerationError("top-p must lie in (0, 1]")
+    if temperature < 0:
+        raise GenerationError("temperature must be >= 0")
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    ids, mask = left_pad(prompts, pad)
+    gen = torch.Generator().manual_seed(seed)
+    b = len(prompts)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    kept: list[Tensor] = []
+    past = backend.init_past(b)
+    t0 = time.perf_counter()
+    prefill_s = 0.0
+    steps = 0
+    for step in range(max_new_tokens):
+        logits, past = backend.step(ids, mask, past)
+        last = logits[:, -1]
+        if keep_logits:
+            kept.append(last.detach().clone())
+        nxt = pick_next(last, temperature, top_p, gen)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        if step == 0:
+            prefill_s = time.perf_counter() - t0
+        else:
+            steps += 1
+        if progress:
+            progress(step + 1, max_new_tokens)
+        if bool(done.all()):
+            break
+        ids = nxt.unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+    total = time.perf_counter() - t0
+    return Generation(out, prefill_s, total - prefill_s, steps, kept)

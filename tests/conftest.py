@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny configs and independent oracles (MODEL.md §8)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3compile.config import preset
+from k3compile.model.k3 import K3ForCausalLM, init_weights
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_model(std: float = 0.1, seed: int = 0, **changes) -> K3ForCausalLM:
+    """The k3-tiny preset (every K3 feature) with weights large enough that logits are well separated."""
+    cfg = preset("k3-tiny").replace(**changes)
+    return init_weights(K3ForCausalLM(cfg), seed=seed, std=std).eval()
+
+
+@pytest.fixture(scope="session")
+def fla_naive():
+    """fla-core's naive KDA file, loaded directly (importing fla.ops needs triton, which must stay absent)."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
+    mod_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
