@@ -152,7 +152,13 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_fp4(fp4_codes(elems)), scale
 
 
+def fp4_byte_lut(device=None) -> torch.Tensor:
+    """[256, 2] fp32: a packed byte -> (value of its low nibble, value of its high nibble)."""
+    lut = fp4_lut(device)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(packed [..., K/2], scale [..., K/32]) -> fp32 [..., K]."""
-    vals = fp4_lut(packed.device)[unpack_fp4(packed).long()]
-    return dequantize_mx(vals, scale)
+    """(packed [..., K/2], scale [..., K/32]) -> fp32 [..., K]. One table lookup per byte (two elements)."""
+    vals = torch.nn.functional.embedding(packed.long(), fp4_byte_lut(packed.device))
+    return dequantize_mx(vals.reshape(*packed.shape[:-1], packed.shape[-1] * 2), scale)
