@@ -45,6 +45,18 @@ def _progress(label: str, quiet: bool):
     return bar, cb
 
 
+@contextmanager
+def _status(text: str, quiet: bool):
+    """A spinner on a terminal for work without a known length (loading, random init)."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="k3compile")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
@@ -128,7 +140,8 @@ def generate(source, prompt_ids, max_new_tokens, backend, temperature, top_p, se
 
     prompts = [_parse_ids(p) for p in prompt_ids]
     with user_errors():
-        model = load_model(source, seed=seed, experts=experts)
+        with _status(f"loading {source}", quiet):
+            model = load_model(source, seed=seed, experts=experts)
         bar, cb = _progress("generating", quiet)
         with bar or _nullctx():
             result = run(EagerBackend(model), prompts, max_new_tokens, temperature=temperature, top_p=top_p,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from k3compile.config import K3Config
 from k3compile.model.attnres import attn_res_mix
-from k3compile.model.cache import Past, init_past
+from k3compile.model.cache import Past, init_past, past_length
 from k3compile.model.kda import KimiDeltaAttention
 from k3compile.model.mla import GatedMLA
 from k3compile.model.mlp import GatedMLP
@@ -82,6 +82,11 @@ class K3ForCausalLM(nn.Module):
             past = self.init_past(b)
         valid_all = valid_new = None
         if attention_mask is not None:
+            want = past_length(cfg, past) + t  # exact whenever the model has an MLA layer (every family member)
+            rows, cols = attention_mask.shape
+            if rows != b or cols < t or (cfg.full_attn_layers and cols != want):
+                raise ValueError(f"attention_mask must be [B, past + new] = [{b}, {want}], got "
+                                 f"{list(attention_mask.shape)}")
             valid_all = attention_mask.bool()
             valid_new = valid_all[:, valid_all.shape[1] - t:]
         h = self.model.embed_tokens(input_ids)

@@ -11,6 +11,8 @@ A padded position carries g = 0 and β = 0, which leaves S exactly unchanged.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -67,9 +69,19 @@ def kda_chunked(
 
 @torch.library.custom_op("k3::kda_recurrence", mutates_args=())
 def kda_recurrence(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor, chunk_size: int = DEFAULT_CHUNK
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: int = DEFAULT_CHUNK,
 ) -> tuple[Tensor, Tensor]:
-    """One node: the recurrent form for a single token (decode), the chunked form for prefill."""
+    """One node: the recurrent form for a single token (decode), the chunked form for prefill. A missing
+    initial state is zero."""
+    if initial_state is None:
+        b, _, h, dk = k.shape
+        initial_state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=k.device)
     if q.shape[1] == 1:
         return kda_recurrent(q, k, v, g, beta, initial_state)
     o, s = kda_chunked(q, k, v, g, beta, initial_state, chunk_size)
@@ -77,9 +89,9 @@ def kda_recurrence(
 
 
 @kda_recurrence.register_fake
-def _(q, k, v, g, beta, initial_state, chunk_size=DEFAULT_CHUNK):
-    b, t, h, _ = q.shape
+def _(q, k, v, g, beta, initial_state=None, chunk_size=DEFAULT_CHUNK):
+    b, t, h, dk = q.shape
     return (
         q.new_empty((b, t, h, v.shape[-1]), dtype=torch.float32),
-        initial_state.new_empty(initial_state.shape, dtype=torch.float32),
+        q.new_empty((b, h, dk, v.shape[-1]), dtype=torch.float32),
     )

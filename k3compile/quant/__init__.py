@@ -1,0 +1,1 @@
+"""Microscaling (MX) number formats: MXFP4 weights and MXFP8 activations."""

@@ -67,3 +67,11 @@ def test_recurrence_step_by_hand():
     want = dec + 0.25 * (2.0 - dec)
     torch.testing.assert_close(s1.flatten(), want.view(1))
     torch.testing.assert_close(o.flatten(), (0.5 * want).view(1))
+
+
+def test_missing_initial_state_is_zero():
+    q, k, v, g, beta, s0 = inputs(t=7)
+    o, s = kda_recurrence(q, k, v, g, beta)
+    o0, s_0 = kda_recurrent(q, k, v, g, beta, torch.zeros_like(s0))
+    torch.testing.assert_close(o, o0, **TOL)
+    torch.testing.assert_close(s, s_0, **TOL)

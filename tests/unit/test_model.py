@@ -78,3 +78,14 @@ def test_torch_export_keeps_k3_ops_as_single_nodes():
     assert n_moe == cfg.num_hidden_layers - cfg.first_k_dense_replace
     out, _ = ep.module()(ids)
     torch.testing.assert_close(out, m(ids)[0], **TOL)
+
+
+def test_attention_mask_must_span_past_and_new_tokens():
+    import pytest
+
+    m = tiny_model()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        _, past = m(ids[:, :3])
+        with pytest.raises(ValueError, match=r"attention_mask must be \[B, past \+ new\] = \[1, 4\]"):
+            m(ids[:, 3:], torch.ones(1, 1, dtype=torch.long), past)
