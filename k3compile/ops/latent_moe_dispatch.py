@@ -56,25 +56,8 @@ def latent_moe_dispatch_eager(
     return out
 
 
-@torch.library.custom_op("k3::latent_moe_dispatch", mutates_args=())
-def latent_moe_dispatch(
-    z: Tensor,
-    topk_idx: Tensor,
-    topk_w: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    w13_scale: Optional[Tensor] = None,
-    w2_scale: Optional[Tensor] = None,
-    expert_offset: int = 0,
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float = 25.0,
-    act_quant: str = "none",
-) -> Tensor:
-    return latent_moe_dispatch_eager(
-        z, topk_idx, topk_w, w13, w2, w13_scale, w2_scale, expert_offset, activation, situ_beta, situ_linear_beta,
-        act_quant,
-    )
+# The op's schema is the eager function's signature; the eager function stays callable on its own.
+latent_moe_dispatch = torch.library.custom_op("k3::latent_moe_dispatch", latent_moe_dispatch_eager, mutates_args=())
 
 
 @latent_moe_dispatch.register_fake

@@ -27,9 +27,7 @@ def mxfp4_matmul_eager(x: Tensor, w_packed: Tensor, w_scale: Tensor, act_quant: 
     return quantize_activation(x, act_quant) @ dequantize_mxfp4(w_packed, w_scale).t()
 
 
-@torch.library.custom_op("k3::mxfp4_matmul", mutates_args=())
-def mxfp4_matmul(x: Tensor, w_packed: Tensor, w_scale: Tensor, act_quant: str = "none") -> Tensor:
-    return mxfp4_matmul_eager(x, w_packed, w_scale, act_quant)
+mxfp4_matmul = torch.library.custom_op("k3::mxfp4_matmul", mxfp4_matmul_eager, mutates_args=())
 
 
 @mxfp4_matmul.register_fake

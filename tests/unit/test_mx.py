@@ -125,3 +125,17 @@ def test_accuracy_bounds_prove_quantization_happened():
     amax = x.view(256, 32, 32).abs().amax(-1, keepdim=True)
     assert ((d4 - x).view(256, 32, 32).abs() <= 0.25 * amax).all()
     assert ((d8 - x).view(256, 32, 32).abs() <= 0.125 * amax).all()
+
+
+@pytest.mark.parametrize("act", ["none", "e4m3", "e5m2"])
+def test_mxfp4_matmul_op_against_reference(act):
+    """k3::mxfp4_matmul against numpy on the ml_dtypes reference's operands (MX.md: rtol 1e-5, atol 1e-5·max|Y|,
+    accumulation order only)."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(5, 96, generator=gen), torch.randn(24, 96, generator=gen)
+    packed, scale = quantize_mxfp4(w)
+    _, _, w_ref = reference(w.numpy(), "e2m1")
+    x_ref = x.numpy() if act == "none" else reference(x.numpy(), act)[2]
+    want = x_ref.astype(np.float64) @ w_ref.astype(np.float64).T
+    got = torch.ops.k3.mxfp4_matmul(x, packed, scale, act).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
