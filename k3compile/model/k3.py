@@ -80,6 +80,8 @@ class K3ForCausalLM(nn.Module):
         b, t = input_ids.shape
         if past is None:
             past = self.init_past(b)
+        if len(past) != cfg.num_hidden_layers:
+            raise ValueError(f"past has {len(past)} layer states for {cfg.num_hidden_layers} layers")
         valid_all = valid_new = None
         if attention_mask is not None:
             want = past_length(cfg, past) + t  # exact whenever the model has an MLA layer (every family member)
