@@ -95,3 +95,49 @@ def _(q, k, v, g, beta, initial_state=None, chunk_size=DEFAULT_CHUNK):
         q.new_empty((b, t, h, v.shape[-1]), dtype=torch.float32),
         q.new_empty((b, h, dk, v.shape[-1]), dtype=torch.float32),
     )
+
+
+# ---- ONNX: k3.KDARecurrence(q, k, v, g, beta, state) -> (o, present), attribute num_heads --------------------------
+# The body is the standard opset-27 LinearAttention(update_rule="gated_delta"): decay, erase against the DECAYED
+# state, write — exactly this recurrence, with per-key-channel decay, on 3-D packed [B, T, H*D] inputs.
+ONNX_NAME = "KDARecurrence"
+MIN_OPSET = 27
+
+
+def onnx_schema():
+    from k3compile.ops.onnx_body import schema
+
+    return schema(
+        ONNX_NAME,
+        [("q", "T", False), ("k", "T", False), ("v", "T", False), ("g", "T", False), ("beta", "T", False),
+         ("state", "T", True)],
+        [("o", "T"), ("present", "T")], {"num_heads": int}, {"T": ["tensor(float)"]},
+        "Kimi Delta Attention recurrence: q̂, k̂ (normalized, q̂ scaled) [B,T,H,K], v [B,T,H,V], log-space decay g "
+        "[B,T,H,K], beta [B,T,H], state [B,H,K,V] -> o [B,T,H,V], present [B,H,K,V] (fp32).",
+    )
+
+
+def onnx_function(opset: int):
+    import numpy as np
+    from onnx import AttributeProto, helper
+
+    from k3compile.ops.onnx_body import Body
+
+    b = Body()
+    packed = b.const([0, 0, -1], np.int64)
+    q, k, v, g = (b.op("Reshape", x, packed) for x in ("q", "k", "v", "g"))
+    o3 = b.op("LinearAttention", q, k, v, "state", g, "beta", outputs=2, update_rule="gated_delta", scale=1.0)
+    node = b.nodes[-1]
+    node.output[1] = "present"
+    for a in ("q_num_heads", "kv_num_heads"):
+        node.attribute.append(helper.make_attribute_ref(a, AttributeProto.INT, ref_attr_name="num_heads"))
+    b.op("Reshape", o3[0], b.op("Shape", "v"), name="o")
+    return b.function(ONNX_NAME, ["q", "k", "v", "g", "beta", "state"], ["o", "present"], ["num_heads"], opset,
+                      onnx_schema().doc)
+
+
+def onnx_translation(q, k, v, g, beta, initial_state=None, chunk_size=DEFAULT_CHUNK):
+    from onnxscript.values import Opset
+
+    return getattr(Opset("k3", 1), ONNX_NAME)(q, k, v, g, beta, initial_state, num_heads=int(q.shape[2]),
+                                               _outputs=2)

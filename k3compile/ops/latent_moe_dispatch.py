@@ -64,3 +64,94 @@ latent_moe_dispatch = torch.library.custom_op("k3::latent_moe_dispatch", latent_
 def _(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset=0, activation="situ",
       situ_beta=4.0, situ_linear_beta=25.0, act_quant="none"):
     return z.new_empty((z.shape[0], w2.shape[1]), dtype=torch.float32)
+
+
+# ---- ONNX -------------------------------------------------------------------------------------------------------------
+# k3.LatentMoEDispatch (float experts) and k3.LatentMoEDispatchMXFP4 (packed experts; its body calls
+# k3.MXFP4MatMul): z [N, D], idx [N, k] int64, w [N, k], stacked slice weights -> y [N, D] fp32.
+# The body is a dense reference: every local expert on every token, combined with the routing weights scattered
+# to [N, E_slice] (tokens routed outside the slice weigh zero). Compiled targets lower the node to a real kernel.
+ONNX_NAME = "LatentMoEDispatch"
+ONNX_NAME_MXFP4 = "LatentMoEDispatchMXFP4"
+ATTRIBUTES = {"expert_offset": int, "activation": int, "situ_beta": float, "situ_linear_beta": float,
+              "act_quant": int}
+
+
+def onnx_schemas():
+    from k3compile.ops.onnx_body import schema
+
+    doc = ("Routed-expert sum over a contiguous expert slice [expert_offset, expert_offset + E): "
+           "y = sum_j w_j * W2 act(W1 z, W3 z) for the experts idx_j in the slice (activation 0 SiLU, 1 SiTU; "
+           "act_quant 1/2: MXFP8 E4M3/E5M2 activations).")
+    common = [("z", "T", False), ("topk_idx", "I", False), ("topk_w", "T", False)]
+    return [
+        schema(ONNX_NAME, common + [("w13", "T", False), ("w2", "T", False)], [("y", "T")], ATTRIBUTES,
+               {"T": ["tensor(float)"], "I": ["tensor(int64)"]}, doc),
+        schema(ONNX_NAME_MXFP4, common + [("w13", "U", False), ("w2", "U", False), ("w13_scale", "U", False),
+                                          ("w2_scale", "U", False)], [("y", "T")], ATTRIBUTES,
+               {"T": ["tensor(float)"], "I": ["tensor(int64)"], "U": ["tensor(uint8)"]}, doc + " MXFP4 weights."),
+    ]
+
+
+def _activation(b, gate: str, up: str) -> str:
+    import numpy as np
+
+    from k3compile.ops.onnx_body import select
+
+    def silu(s):
+        return s.op("Mul", s.op("Mul", gate, s.op("Sigmoid", gate)), up)
+
+    def situ_(s):
+        beta, lin = s.attr("situ_beta", float), s.attr("situ_linear_beta", float)
+        g = s.op("Mul", s.op("Mul", beta, s.op("Tanh", s.op("Div", gate, beta))), s.op("Sigmoid", gate))
+        return s.op("Mul", g, s.op("Mul", lin, s.op("Tanh", s.op("Div", up, lin))))
+
+    return select(b, b.op("Equal", b.attr("activation", int), b.const(1, np.int64)), situ_, silu, "act")
+
+
+def onnx_function(opset: int, mxfp4: bool):
+    import numpy as np
+    from onnx import AttributeProto, helper
+
+    from k3compile.ops import mxfp4_matmul  # the module (its ONNX name)
+    from k3compile.ops.onnx_body import DOMAIN, Body, maybe_fake_quant
+
+    b = Body()
+
+    def expert_matmul(x: str, w: str) -> str:
+        """x [1 or E, N, K] times every local expert's weight [E, M, K] -> [E, N, M]."""
+        if mxfp4:  # the packed matmul is its own k3 node, passing act_quant through
+            out = b.op(mxfp4_matmul.ONNX_NAME, x, w, f"{w}_scale", domain=DOMAIN)
+            b.nodes[-1].attribute.append(helper.make_attribute_ref("act_quant", AttributeProto.INT))
+            return out
+        return b.op("Einsum", maybe_fake_quant(b, x), w, equation="...mk,...nk->...mn")
+
+    z1 = b.op("Unsqueeze", "z", b.const([0], np.int64))  # [1, N, D]: broadcast over the expert axis
+    gate, up = b.op("Split", expert_matmul(z1, "w13"), axis=-1, num_outputs=2, outputs=2)  # [E, N, I] each
+    y = expert_matmul(_activation(b, gate, up), "w2")  # [E, N, D]
+    n_local = b.op("Squeeze", b.op("Shape", "w13", start=0, end=1))  # E, a scalar (OneHot depth)
+    local = b.op("Sub", "topk_idx", b.attr("expert_offset", int))
+    inside = b.op("And", b.op("GreaterOrEqual", local, b.const(0, np.int64)), b.op("Less", local, n_local))
+    local = b.op("Where", inside, local, n_local)  # out of the slice -> index E -> an all-zero one-hot row
+    onehot = b.op("OneHot", local, n_local, b.const([0.0, 1.0]), axis=-1)  # [N, k, E]
+    route = b.op("ReduceSum", b.op("Mul", onehot, b.op("Unsqueeze", "topk_w", b.const([-1], np.int64))),
+                 b.const([1], np.int64), keepdims=0)  # [N, E]
+    b.op("Einsum", route, y, equation="ne,end->nd", name="y")
+    name = ONNX_NAME_MXFP4 if mxfp4 else ONNX_NAME
+    inputs = ["z", "topk_idx", "topk_w", "w13", "w2"] + (["w13_scale", "w2_scale"] if mxfp4 else [])
+    return b.function(name, inputs, ["y"], list(ATTRIBUTES), opset, onnx_schemas()[int(mxfp4)].doc)
+
+
+def onnx_translation(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset=0,
+                     activation="situ", situ_beta=4.0, situ_linear_beta=25.0, act_quant="none"):
+    from onnxscript.values import Opset
+
+    from k3compile.ops.onnx_body import ACT_QUANT_CODES, ACTIVATION_CODES
+
+    k3 = Opset("k3", 1)
+    attrs = dict(expert_offset=int(expert_offset), activation=ACTIVATION_CODES[activation],
+                 situ_beta=float(situ_beta), situ_linear_beta=float(situ_linear_beta),
+                 act_quant=ACT_QUANT_CODES[act_quant])
+    if w13_scale is not None:
+        return getattr(k3, ONNX_NAME_MXFP4)(z, topk_idx, topk_w, w13, w2, w13_scale, w2_scale, **attrs)
+    return getattr(k3, ONNX_NAME)(z, topk_idx, topk_w, w13, w2, **attrs)

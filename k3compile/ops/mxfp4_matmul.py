@@ -33,3 +33,38 @@ mxfp4_matmul = torch.library.custom_op("k3::mxfp4_matmul", mxfp4_matmul_eager, m
 @mxfp4_matmul.register_fake
 def _(x, w_packed, w_scale, act_quant="none"):
     return x.new_empty((*x.shape[:-1], w_packed.shape[0]), dtype=torch.float32)
+
+
+# ---- ONNX: k3.MXFP4MatMul(x [..., M, K], packed [..., N, K/2], scale [..., N, K/32]) -> [..., M, N] ----------------
+# Leading dims broadcast (the MoE body passes stacked experts [E, N, K/2] with x [1, M, K]).
+ONNX_NAME = "MXFP4MatMul"
+
+
+def onnx_schema():
+    from k3compile.ops.onnx_body import schema
+
+    return schema(
+        ONNX_NAME, [("x", "T", False), ("w_packed", "U", False), ("w_scale", "U", False)], [("y", "T")],
+        {"act_quant": int}, {"T": ["tensor(float)"], "U": ["tensor(uint8)"]},
+        "x times a packed MXFP4 weight (E2M1 nibbles, element 2i low; E8M0 scales per 32 along K), fused "
+        "dequantization; act_quant 1/2 fake-quantizes x to MXFP8 E4M3/E5M2 first.",
+    )
+
+
+def onnx_function(opset: int):
+    from k3compile.ops.onnx_body import Body, maybe_fake_quant
+    from k3compile.quant.mx_onnx import dequant_mxfp4
+
+    b = Body()
+    w = dequant_mxfp4(b, "w_packed", "w_scale")
+    xq = maybe_fake_quant(b, "x")
+    b.op("Einsum", xq, w, equation="...mk,...nk->...mn", name="y")
+    return b.function(ONNX_NAME, ["x", "w_packed", "w_scale"], ["y"], ["act_quant"], opset, onnx_schema().doc)
+
+
+def onnx_translation(x, w_packed, w_scale, act_quant="none"):
+    from onnxscript.values import Opset
+
+    from k3compile.ops.onnx_body import ACT_QUANT_CODES
+
+    return getattr(Opset("k3", 1), ONNX_NAME)(x, w_packed, w_scale, act_quant=ACT_QUANT_CODES[act_quant])

@@ -1,0 +1,63 @@
+"""Run an exported folder: onnxruntime (CPU) or onnx.reference, behind the same step interface as the eager model.
+
+`step(input_ids, attention_mask, past) -> (logits, present)` feeds the graph interface's names; `present` comes
+back in the layout `past` takes, so decode feeds it straight back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3compile.config import load_config
+from k3compile.export import MODEL_FILE, ExportError, GraphInterface, register_schemas
+from k3compile.model.cache import init_past
+
+
+class OnnxBackend:
+    def __init__(self, folder: str | Path, reference: bool = False) -> None:
+        folder = Path(folder)
+        if not (folder / MODEL_FILE).is_file():
+            raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
+        self.config = load_config(folder / "config.json")
+        self.interface = GraphInterface.of(self.config)
+        self.name = "onnx.reference" if reference else "onnx"
+        path = folder / MODEL_FILE
+        if reference:
+            import onnx
+            from onnx.reference import ReferenceEvaluator
+
+            register_schemas()
+            ref = ReferenceEvaluator(onnx.load(str(path)))
+
+            def run(feeds):
+                with np.errstate(over="ignore"):  # numpy's Sigmoid overflows to exactly 0/1, as it should
+                    return ref.run(None, feeds)
+
+            self._run = run
+        else:
+            import onnxruntime as ort
+
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            try:
+                sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own exception types for bad files
+                raise ExportError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:200]})") from None
+            self._run = lambda feeds: sess.run(None, feeds)
+
+    def init_past(self, batch: int):
+        return init_past(self.config, batch)
+
+    @torch.no_grad()
+    def step(self, input_ids, attention_mask, past):
+        feeds = {"input_ids": np.asarray(input_ids, dtype=np.int64),
+                 "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
+        flat = [t for state in past for t in state]
+        for name, t in zip(self.interface.inputs[2:], flat):
+            feeds[name] = t.detach().cpu().numpy().astype(np.float32, copy=False)
+        outs = [torch.from_numpy(np.asarray(o)) for o in self._run(feeds)]
+        present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(self.config.num_hidden_layers)]
+        return outs[0], present
