@@ -16,9 +16,10 @@ import click
 from k3compile import __version__
 from k3compile.checkpoint import CheckpointError
 from k3compile.config import DEFAULT_PRESET, PRESETS, ConfigError
+from k3compile.export import ExportError
 from k3compile.generate import GenerationError
 
-USER_ERRORS = (ConfigError, CheckpointError, GenerationError)
+USER_ERRORS = (ConfigError, CheckpointError, GenerationError, ExportError)
 
 
 @contextmanager
@@ -47,14 +48,14 @@ def _progress(label: str, quiet: bool):
 
 @contextmanager
 def _status(text: str, quiet: bool):
-    """A spinner on a terminal for work without a known length (loading, random init)."""
+    """A spinner on a terminal for work without a known length; yields a callback(text) that updates it."""
     if quiet or not sys.stderr.isatty():
-        yield
+        yield lambda msg: None
         return
     from rich.console import Console
 
-    with Console(stderr=True).status(text):
-        yield
+    with Console(stderr=True).status(text) as status:
+        yield lambda msg: status.update(msg)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -123,7 +124,9 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
-@click.option("--backend", type=click.Choice(["eager"]), default="eager", show_default=True)
+@click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference"]), default="eager", show_default=True,
+              help="eager: the PyTorch model; onnx: onnxruntime on an export folder (SOURCE = `k3compile export`'s "
+                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
@@ -141,11 +144,16 @@ def generate(source, prompt_ids, max_new_tokens, backend, temperature, top_p, se
     prompts = [_parse_ids(p) for p in prompt_ids]
     with user_errors():
         with _status(f"loading {source}", quiet):
-            model = load_model(source, seed=seed, experts=experts)
+            if backend == "eager":
+                engine = EagerBackend(load_model(source, seed=seed, experts=experts))
+            else:
+                from k3compile.onnx_backend import OnnxBackend
+
+                engine = OnnxBackend(source, reference=backend == "onnx-reference")
         bar, cb = _progress("generating", quiet)
         with bar or _nullctx():
-            result = run(EagerBackend(model), prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                         seed=seed, eos_token_id=model.config.eos_token_id, progress=cb)
+            result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                         seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
     doc = {
         "source": source, "backend": backend, "prompts": prompts, "tokens": result.tokens,
         "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
@@ -159,6 +167,112 @@ def generate(source, prompt_ids, max_new_tokens, backend, temperature, top_p, se
     if not quiet:
         rate = f", decode {doc['decode_tokens_per_s']} tok/s" if result.decode_steps else ""
         click.echo(f"[{backend}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)
+
+
+@main.command("export")
+@click.argument("source", default=DEFAULT_PRESET)
+@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Output folder (created; written through a temporary folder renamed at the end).")
+@click.option("--weights", type=click.Choice(["auto", "mxfp4", "float"]), default="auto", show_default=True,
+              help="Routed-expert weights in the file: as SOURCE stores them, packed MXFP4, or float.")
+@click.option("--activations", type=click.Choice(["none", "mxfp8", "mxfp8-e5m2"]), default="none",
+              show_default=True, help="MXFP8 (E4M3, or E5M2) activation quantization in front of the expert matmuls.")
+@click.option("--opset", default=27, show_default=True, type=int, help="Default-domain ONNX opset (>= 27).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights when SOURCE is a preset.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-verify", "no_verify", is_flag=True, help="Skip the onnxruntime-vs-eager parity check.")
+@click.option("--json", "as_json", is_flag=True, help="Print export.json on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def export_cmd(source, out, weights, activations, opset, seed, overwrite, no_verify, as_json, quiet):
+    """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
+
+    The graph serves prefill and decode (dynamic batch, new tokens and past length). Compilation to
+    accelerator targets (--target, --mesh) extends this command in later releases.
+    """
+    from pathlib import Path
+
+    from k3compile.checkpoint import load_model
+    from k3compile.export import check_options, export
+    from k3compile.verify import worst
+
+    with user_errors():
+        check_options(Path(out), opset, activations, overwrite)
+        with _status(f"loading {source}", quiet) as status:
+            model = load_model(source, seed=seed, experts=weights)
+            doc = export(model, out, opset=opset, activations=activations, overwrite=overwrite,
+                         verify=not no_verify, source=_source_record(source, seed, weights),
+                         progress=status)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    if quiet:
+        return
+    nodes = ", ".join(f"{v} {k}" for k, v in doc["k3_nodes"].items())
+    mib = doc["file_bytes"] / 2**20
+    click.echo(f"wrote {out}: opset {doc['opset']}, k3 nodes: {nodes}; {mib:.1f} MiB in {doc['export_s']:.1f} s")
+    if "parity" in doc:
+        w = worst(doc["parity"])
+        click.echo(f"onnxruntime vs eager: max |Δ| {w['max_abs']:.2e} ({w['output']}, {w['phase']})")
+
+
+def _source_record(source: str, seed: int, weights: str) -> dict:
+    """Where the weights came from, so that `verify` can rebuild the eager model."""
+    from pathlib import Path
+
+    from k3compile.config import PRESETS
+
+    path = source if source in PRESETS else str(Path(source).resolve())
+    return {"source": path, "seed": seed, "experts": weights}
+
+
+@main.command()
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--reference", is_flag=True, help="Also run onnx.reference (slow; small inputs).")
+@click.option("--tolerance", default=1e-4, show_default=True, type=float,
+              help="Largest max-abs difference accepted (fp32).")
+@click.option("--decode-steps", default=2, show_default=True, type=click.IntRange(min=0))
+@click.option("--source", "source_override", default=None,
+              help="Rebuild the eager model from here instead of export.json's record.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def verify(folder, reference, tolerance, decode_steps, source_override, as_json, quiet):
+    """Run eager and onnxruntime (and onnx.reference) on the same inputs; exit 1 past tolerance."""
+    from k3compile.checkpoint import load_model
+    from k3compile.export import read_export
+    from k3compile.verify import compare
+
+    with user_errors():
+        doc = read_export(folder)
+        rec = doc.get("source") or {}
+        src = source_override or rec.get("source")
+        if not src:
+            raise ExportError(f"{folder}: export.json does not say where the weights came from; pass --source")
+        with _status("running eager and onnxruntime", quiet):
+            model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
+            rows = [dict(r, backend="onnxruntime") for r in
+                    compare(model, folder, doc.get("activations", "none"), decode_steps=decode_steps)]
+            if reference:
+                rows += [dict(r, backend="onnx.reference") for r in
+                         compare(model, folder, doc.get("activations", "none"), reference=True,
+                                 decode_steps=decode_steps)]
+    failed = [r for r in rows if not r["max_abs"] <= tolerance]
+    if as_json:
+        click.echo(json.dumps({"tolerance": tolerance, "ok": not failed, "rows": rows}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{folder}: eager vs exported (tolerance {tolerance:g})")
+        for col in ("backend", "phase", "output", "max abs", "max rel", ""):
+            table.add_column(col, justify="right" if col.startswith("max") else "left")
+        for r in rows:
+            ok = r["max_abs"] <= tolerance
+            table.add_row(r["backend"], r["phase"], r["output"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+                          "ok" if ok else "FAIL")
+        Console(width=None if sys.stdout.isatty() else 120).print(table)
+    if failed:
+        raise click.ClickException(f"{len(failed)} output(s) past tolerance {tolerance:g}; worst "
+                                   f"{max(r['max_abs'] for r in failed):.2e}")
 
 
 @contextmanager

@@ -208,11 +208,7 @@ def trace_to_onnx(model: K3ForCausalLM, opset: int, act_quant: str = "none"):
     from onnxscript import optimizer
 
     cfg = model.config
-    if opset < MIN_OPSET:
-        raise ExportError(f"--opset {opset} is below {MIN_OPSET}, which the graph needs (the KDA recurrence's body "
-                          f"is the standard opset-{MIN_OPSET} LinearAttention)")
-    if opset > onnx.defs.onnx_opset_version():
-        raise ExportError(f"--opset {opset} is above {onnx.defs.onnx_opset_version()}, the newest this onnx knows")
+    check_opset(opset)
     register_schemas()
     gi = GraphInterface.of(cfg)
     with export_mode(model, act_quant), torch.no_grad(), _quiet_exporter():
@@ -261,11 +257,33 @@ def _shape(vi) -> list:
 
 def _writable_parent(out: Path) -> Path:
     parent = out.resolve().parent
+    if parent.exists() and not parent.is_dir():
+        raise ExportError(f"{out}: {parent} is not a folder")
     if not parent.is_dir():
         raise ExportError(f"{out}: the parent folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"{out}: cannot write into {parent}")
     return parent
+
+
+def check_opset(opset: int) -> None:
+    import onnx
+
+    if opset < MIN_OPSET:
+        raise ExportError(f"--opset {opset} is below {MIN_OPSET}, which the graph needs (the KDA recurrence's body "
+                          f"is the standard opset-{MIN_OPSET} LinearAttention)")
+    if opset > onnx.defs.onnx_opset_version():
+        raise ExportError(f"--opset {opset} is above {onnx.defs.onnx_opset_version()}, the newest this onnx knows")
+
+
+def check_options(out: Path, opset: int, activations: str, overwrite: bool) -> Path:
+    """Fail fast, before any weight is loaded or traced; returns OUT's (writable) parent."""
+    check_opset(opset)
+    if activations not in ACTIVATIONS:
+        raise ExportError(f"--activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
+    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
+        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    return _writable_parent(out)
 
 
 def export(
@@ -284,18 +302,17 @@ def export(
 
     step = progress or (lambda msg: None)
     out = Path(out)
-    if activations not in ACTIVATIONS:
-        raise ExportError(f"--activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
-    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
-        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    parent = _writable_parent(out)
+    parent = check_options(out, opset, activations, overwrite)
     cfg = model.config
     t0 = time.perf_counter()
     step("tracing with torch.export")
     m = trace_to_onnx(model, opset, ACTIVATIONS[activations])
     trace_s = time.perf_counter() - t0
     step("checking the ONNX model")
-    tmp = Path(tempfile.mkdtemp(prefix=".k3export-", dir=parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".k3export-", dir=parent))
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write into {parent} ({e.strerror})") from None
     try:
         summary = summarize(m)
         weight_bytes = sum(summary["weight_bytes"].values())
