@@ -345,6 +345,7 @@ def export(
 
             doc["parity"] = compare(model, tmp, activations=activations)
         (tmp / EXPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+        _default_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -353,6 +354,15 @@ def export(
         raise
     log.info("exported %s in %.1fs", out, time.perf_counter() - t0)
     return doc
+
+
+def _default_permissions(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder and onnx writes external data 0600: give OUT the usual umask permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _versions() -> dict:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs and independent oracles (MODEL.md §8)."""
+"""Shared fixtures: a fixed seed per test and the independent KDA oracle (MODEL.md §8)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3compile.config import preset
-from k3compile.model.k3 import K3ForCausalLM, init_weights
-
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def tiny_model(std: float = 0.1, seed: int = 0, **changes) -> K3ForCausalLM:
-    """The k3-tiny preset (every K3 feature) with weights large enough that logits are well separated."""
-    cfg = preset("k3-tiny").replace(**changes)
-    return init_weights(K3ForCausalLM(cfg), seed=seed, std=std).eval()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_model
+from builders import tiny_model
 from k3compile.calibration import calibrate_router_bias, expert_load, max_overload, quantile_balance
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_model
+from builders import tiny_model
 from k3compile.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from k3compile.quant.mx import dequantize_mxfp4
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import tiny_model
+from builders import tiny_model
 from k3compile.checkpoint import save_checkpoint
 from k3compile.cli import main
 from k3compile.generate import EagerBackend, generate

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import tiny_model
+from builders import tiny_model
 from k3compile.generate import EagerBackend, generate
 
 # fp32; chunked prefill vs token-by-token recurrence and absorbed vs naive MLA reassociate sums: ~1e-6 observed.

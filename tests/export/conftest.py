@@ -1,0 +1,25 @@
+"""Exports shared by the export tests (each costs ~30 s of tracing on 2 cores, so each is made once)."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3compile.checkpoint import load_model
+from k3compile.export import export
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """k3-tiny as published (MXFP4 experts, no activation quantization): (model, folder, export.json)."""
+    model = load_model("k3-tiny", seed=0)
+    out = tmp_path_factory.mktemp("exports") / "k3-tiny"
+    doc = export(model, out, source={"source": "k3-tiny", "seed": 0, "experts": "auto"})
+    return model, out, doc
+
+
+@pytest.fixture(scope="session")
+def tiny_mxfp8_export(tmp_path_factory):
+    model = load_model("k3-tiny", seed=1)
+    out = tmp_path_factory.mktemp("exports") / "k3-tiny-mxfp8"
+    doc = export(model, out, activations="mxfp8", source={"source": "k3-tiny", "seed": 1, "experts": "auto"})
+    return model, out, doc

@@ -1,0 +1,31 @@
+"""Export tier for Kimi-Linear configs: a random tiny model built and saved by transformers, exported from its
+checkpoint folder (float experts, SiLU, low-rank KDA gate, no AttnRes, no latent MoE)."""
+
+from __future__ import annotations
+
+import pytest
+
+from builders import build_hf
+from k3compile.checkpoint import load_checkpoint
+from k3compile.export import export
+from k3compile.generate import EagerBackend, generate
+from k3compile.onnx_backend import OnnxBackend
+from k3compile.verify import compare
+
+ATOL = 1e-4  # fp32, summation order only (see test_export.py)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("no-q-lora", dict(q_lora_rank=None, heads=2, kda_heads=2, head_dim=16)),
+    ("q-lora", dict(q_lora_rank=24, heads=4, kda_heads=3, head_dim=8)),
+])
+def test_kimi_linear_export_matches_eager(tmp_path, name, kw):
+    build_hf(tmp_path / "ckpt", **kw)
+    model = load_checkpoint(tmp_path / "ckpt")
+    doc = export(model, tmp_path / "out", source={"source": str(tmp_path / "ckpt")})
+    assert doc["k3_nodes"] == {"KDARecurrence": 4, "LatentMoEDispatch": 4}  # float experts: the float body
+    rows = compare(model, tmp_path / "out", decode_steps=3, prompts=[[5, 6, 7, 8, 9], [40], [90, 91, 92]])
+    assert max(r["max_abs"] for r in rows) <= ATOL
+    prompts = [[5, 6, 7, 8, 9], [40], [90, 91, 92]]
+    assert generate(OnnxBackend(tmp_path / "out"), prompts, 32).tokens == \
+        generate(EagerBackend(model), prompts, 32).tokens
