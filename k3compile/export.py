@@ -257,10 +257,13 @@ def _shape(vi) -> list:
 
 def _writable_parent(out: Path) -> Path:
     parent = out.resolve().parent
-    if parent.exists() and not parent.is_dir():
-        raise ExportError(f"{out}: {parent} is not a folder")
-    if not parent.is_dir():
-        raise ExportError(f"{out}: the parent folder {parent} does not exist")
+    for p in (parent, *parent.parents):
+        if p.exists() and not p.is_dir():
+            raise ExportError(f"{out}: {p} is not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot create {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ExportError(f"{out}: cannot write into {parent}")
     return parent
