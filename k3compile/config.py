@@ -371,10 +371,12 @@ def validate(c: K3Config) -> None:
              f"{c.num_experts_per_token} exceeds num_experts={c.num_experts}")
         need(c.num_expert_group > 0 and c.num_experts % c.num_expert_group == 0, "num_expert_group",
              f"{c.num_expert_group} does not divide num_experts={c.num_experts}")
-        need(0 < c.topk_group <= c.num_expert_group, "topk_group", f"must lie in 1..num_expert_group, got {c.topk_group}")
+        need(0 < c.topk_group <= c.num_expert_group, "topk_group",
+             f"must lie in 1..num_expert_group, got {c.topk_group}")
         if c.routed_expert_hidden_size is not None:
             need(isinstance(c.routed_expert_hidden_size, int) and c.routed_expert_hidden_size > 0,
-                 "routed_expert_hidden_size", f"must be null or a positive integer, got {c.routed_expert_hidden_size!r}")
+                 "routed_expert_hidden_size",
+                 f"must be null or a positive integer, got {c.routed_expert_hidden_size!r}")
         if c.expert_format == "mxfp4":
             need(c.latent_size % 32 == 0, "routed_expert_hidden_size" if c.is_latent_moe else "hidden_size",
                  f"MXFP4 experts need the expert input width ({c.latent_size}) to be a multiple of 32")

@@ -213,8 +213,8 @@ def trace_to_onnx(model: K3ForCausalLM, opset: int, act_quant: str = "none"):
     gi = GraphInterface.of(cfg)
     with export_mode(model, act_quant), torch.no_grad(), _quiet_exporter():
         prog = torch.onnx.export(
-            GraphModule(model).eval(), tuple(sample_inputs(cfg)), dynamo=True, opset_version=TRACE_OPSET, optimize=False,
-            dynamic_shapes=_dynamic_shapes(cfg), input_names=gi.inputs, output_names=gi.outputs,
+            GraphModule(model).eval(), tuple(sample_inputs(cfg)), dynamo=True, opset_version=TRACE_OPSET,
+            optimize=False, dynamic_shapes=_dynamic_shapes(cfg), input_names=gi.inputs, output_names=gi.outputs,
             custom_translation_table=translation_table(), verbose=False,
         )
     m = prog.model_proto

@@ -66,7 +66,7 @@ def _(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset
     return z.new_empty((z.shape[0], w2.shape[1]), dtype=torch.float32)
 
 
-# ---- ONNX -------------------------------------------------------------------------------------------------------------
+# ---- ONNX ---------------------------------------------------------------------------------------------------------
 # k3.LatentMoEDispatch (float experts) and k3.LatentMoEDispatchMXFP4 (packed experts; its body calls
 # k3.MXFP4MatMul): z [N, D], idx [N, k] int64, w [N, k], stacked slice weights -> y [N, D] fp32.
 # The body is a dense reference: every local expert on every token, combined with the routing weights scattered

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 import torch
 
 from k3compile.export import ACTIVATIONS, GraphInterface, export_mode

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from builders import tiny_model
 from click.testing import CliRunner
 
-from builders import tiny_model
 from k3compile.checkpoint import save_checkpoint
 from k3compile.cli import main
 

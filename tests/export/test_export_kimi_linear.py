@@ -4,8 +4,8 @@ checkpoint folder (float experts, SiLU, low-rank KDA gate, no AttnRes, no latent
 from __future__ import annotations
 
 import pytest
-
 from builders import build_hf
+
 from k3compile.checkpoint import load_checkpoint
 from k3compile.export import export
 from k3compile.generate import EagerBackend, generate

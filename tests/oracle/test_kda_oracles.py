@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3compile.config import preset
-from k3compile.model.kda import KimiDeltaAttention, l2_normalize
 from k3compile.model.cache import init_past
+from k3compile.model.kda import KimiDeltaAttention, l2_normalize
 from k3compile.ops.kda_recurrence import kda_chunked, kda_recurrence, kda_recurrent
 
 # fp32; the oracles sum in other orders. Observed ~2e-7; 1e-5 leaves room for platform BLAS differences.
@@ -86,7 +86,7 @@ def test_lower_bound_layer_against_glm5_next():
     ours_layer = KimiDeltaAttention(cfg).eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in ref.named_parameters():
+        for p in ref.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         ref.forget_gate.A_log.copy_(torch.rand(ref.forget_gate.A_log.shape, generator=gen))
         hk = cfg.kda_num_heads * cfg.kda_head_dim

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from builders import build_hf
+
 from k3compile.checkpoint import load_checkpoint
 from k3compile.generate import EagerBackend, generate
 

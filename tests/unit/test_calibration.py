@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from builders import tiny_model
+
 from k3compile.calibration import calibrate_router_bias, expert_load, max_overload, quantile_balance
 
 

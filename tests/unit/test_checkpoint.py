@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from builders import tiny_model
 from safetensors.torch import load_file, save_file
 
-from builders import tiny_model
 from k3compile.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from k3compile.quant.mx import dequantize_mxfp4
 
@@ -37,7 +37,8 @@ def test_k3_layout_names_padded_a_log_and_mxfp4_experts(tmp_path):
     pre = "language_model.model.layers"
     a_log = t[f"{pre}.0.self_attn.A_log"]
     assert a_log.shape == (128,) and torch.count_nonzero(a_log[m.config.kda_num_heads:]) == 0
-    packed, scale = t[f"{pre}.1.block_sparse_moe.experts.3.w1.weight_packed"], t[f"{pre}.1.block_sparse_moe.experts.3.w1.weight_scale"]
+    expert = f"{pre}.1.block_sparse_moe.experts.3.w1"
+    packed, scale = t[f"{expert}.weight_packed"], t[f"{expert}.weight_scale"]
     cfg = m.config
     assert packed.dtype == torch.uint8 and packed.shape == (cfg.moe_intermediate_size, cfg.latent_size // 2)
     assert scale.dtype == torch.uint8 and scale.shape == (cfg.moe_intermediate_size, cfg.latent_size // 32)
@@ -48,7 +49,8 @@ def test_k3_layout_names_padded_a_log_and_mxfp4_experts(tmp_path):
     assert "language_model.model.output_attn_res_proj.weight" in t and "language_model.lm_head.weight" in t
     assert f"{pre}.0.mlp.gate_proj.weight" in t and f"{pre}.6.self_attn.g_proj.weight" in t
     cfg_json = json.loads((tmp_path / "config.json").read_text())
-    assert cfg_json["model_type"] == "kimi_k3" and cfg_json["text_config"]["linear_attn_config"]["full_attn_layers"] == [4, 6, 7]
+    assert cfg_json["model_type"] == "kimi_k3"
+    assert cfg_json["text_config"]["linear_attn_config"]["full_attn_layers"] == [4, 6, 7]
     # a K3 checkpoint written by others pads A_log differently: accept any 1-D zero padding past H
     t[f"{pre}.0.self_attn.A_log"] = torch.cat([a_log[: cfg.kda_num_heads], torch.zeros(30)])
     save_file(t, str(tmp_path / "model.safetensors"))
@@ -97,7 +99,8 @@ def _broken(tmp_path, edit):
 
 def test_missing_tensor_named(tmp_path):
     _broken(tmp_path, lambda t: t.pop("language_model.model.layers.2.self_attn.b_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): language_model.model.layers.2.self_attn.b_proj.weight"):
+    with pytest.raises(CheckpointError,
+                       match=r"missing 1 tensor\(s\): language_model.model.layers.2.self_attn.b_proj.weight"):
         load_checkpoint(tmp_path)
 
 

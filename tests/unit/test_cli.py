@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from builders import tiny_model
 from click.testing import CliRunner
 
-from builders import tiny_model
 from k3compile.checkpoint import save_checkpoint
 from k3compile.cli import main
 from k3compile.generate import EagerBackend, generate

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3compile.config import ConfigError, K3Config, PRESETS, load_config, preset
+from k3compile.config import PRESETS, ConfigError, K3Config, load_config, preset
 
 
 def test_k3_preset_is_the_published_config():
@@ -34,7 +34,8 @@ def test_kimi_linear_48b_preset():
     c = preset("kimi-linear-48b")
     assert [i + 1 for i in c.full_attn_layers] == [4, 8, 12, 16, 20, 24, 27]
     assert (c.hidden_size, c.num_hidden_layers, c.kda_num_heads, c.q_lora_rank, c.num_experts,
-            c.num_experts_per_token, c.num_shared_experts, c.moe_intermediate_size) == (2304, 27, 32, None, 256, 8, 1, 1024)
+            c.num_experts_per_token, c.num_shared_experts, c.moe_intermediate_size) == (
+        2304, 27, 32, None, 256, 8, 1, 1024)
     assert c.routed_scaling_factor == 2.446 and c.hidden_act == "silu" and c.gate_lower_bound is None
     assert not c.use_full_rank_gate and c.attn_res_block_size is None and not c.is_latent_moe and not c.is_k3
 

@@ -4,8 +4,8 @@ equals each sequence alone, and torch.export traces it with the k3 ops as single
 from __future__ import annotations
 
 import torch
-
 from builders import tiny_model
+
 from k3compile.generate import EagerBackend, generate
 
 # fp32; chunked prefill vs token-by-token recurrence and absorbed vs naive MLA reassociate sums: ~1e-6 observed.
@@ -16,7 +16,7 @@ def test_tiny_preset_exercises_every_feature():
     m = tiny_model()
     cfg = m.config
     layers = m.model.layers
-    assert hasattr(layers[0], "mlp") and all(hasattr(l, "block_sparse_moe") for l in layers[1:])
+    assert hasattr(layers[0], "mlp") and all(hasattr(layer, "block_sparse_moe") for layer in layers[1:])
     assert cfg.is_mla(cfg.num_hidden_layers - 1) and cfg.is_mla(cfg.num_hidden_layers - 2)
     assert any(not cfg.is_mla(i) for i in range(cfg.num_hidden_layers))
     assert -(-cfg.num_hidden_layers // cfg.attn_res_block_size) >= 3  # >= 3 AttnRes blocks

@@ -36,7 +36,7 @@ def _moe(**changes):
     moe = MoE(cfg).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in moe.named_parameters():
+        for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         moe.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_experts, generator=gen) * 0.1)
     return cfg, moe
@@ -101,8 +101,8 @@ def test_expert_slices_sum_to_the_whole():
         for bounds in ([0, 3, 8], [0, 1, 2, 5, 8], [0, 8]):
             parts = torch.zeros_like(whole)
             for lo, hi in zip(bounds[:-1], bounds[1:]):
-                sl = lambda t: None if t is None else t[lo:hi]  # noqa: E731
-                parts += latent_moe_dispatch(x, idx, w, w13[lo:hi], w2[lo:hi], sl(s13), sl(s2), lo, *args)
+                s13_sl, s2_sl = (None, None) if s13 is None else (s13[lo:hi], s2[lo:hi])
+                parts += latent_moe_dispatch(x, idx, w, w13[lo:hi], w2[lo:hi], s13_sl, s2_sl, lo, *args)
             torch.testing.assert_close(parts, whole, **TOL)
 
 
