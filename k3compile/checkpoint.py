@@ -198,6 +198,8 @@ def load_checkpoint(
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
+    if experts not in ("auto", "float", "mxfp4"):
+        raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
     if cfg is None:
         try:
             cfg = load_config(folder)
@@ -237,13 +239,13 @@ def load_checkpoint(
                     progress(done, len(src))
     state = from_checkpoint(tensors, stored_cfg, layout)
     target = stored if experts == "auto" else experts
-    if target not in ("float", "mxfp4"):
-        raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
     if target != stored:
         state = convert_experts(state, target, dtype)
-    final_cfg = cfg.replace(expert_format=target)
-    model = K3ForCausalLM(final_cfg).to(dtype)
-    model.load_state_dict(state, strict=True)
+    with torch.device("meta"):  # no second copy of the weights: the loaded tensors are assigned
+        model = K3ForCausalLM(cfg.replace(expert_format=target))
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
+        model.lm_head.weight = model.model.embed_tokens.weight
     log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
     return model.eval()
 

@@ -58,6 +58,15 @@ def test_k3_layout_names_padded_a_log_and_mxfp4_experts(tmp_path):
     assert torch.equal(_logits(m2, IDS), _logits(m, IDS))
 
 
+def test_tied_embeddings(tmp_path):
+    m = tiny_model(tie_word_embeddings=True)
+    save_checkpoint(m, tmp_path)
+    assert "language_model.lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    m2 = load_checkpoint(tmp_path)
+    assert m2.lm_head.weight is m2.model.embed_tokens.weight
+    assert torch.equal(_logits(m2, IDS), _logits(m, IDS))
+
+
 def test_sharded_index(tmp_path):
     m = tiny_model()
     save_checkpoint(m, tmp_path, max_shard_bytes=200_000)
