@@ -316,7 +316,9 @@ def load_model(
 ) -> K3ForCausalLM:
     """A preset name or config.json (seeded random weights) or a checkpoint folder (its weights)."""
     p = Path(source)
-    if p.is_dir() and any(p.glob("*.safetensors")):
+    if p.is_dir():
+        if (p / "model.onnx").is_file() and not any(p.glob("*.safetensors")):
+            raise CheckpointError(f"{p} is an export folder, not a checkpoint (run it with --backend onnx)")
         return load_checkpoint(p, experts=experts, progress=progress)
     cfg = load_config(source)
     if experts != "auto":

@@ -30,7 +30,10 @@ class OnnxBackend:
             from onnx.reference import ReferenceEvaluator
 
             register_schemas()
-            ref = ReferenceEvaluator(onnx.load(str(path)))
+            try:
+                ref = ReferenceEvaluator(onnx.load(str(path)))
+            except Exception as e:  # protobuf DecodeError, missing external data, unknown ops
+                raise ExportError(f"{path}: onnx.reference cannot load it ({str(e).splitlines()[0][:200]})") from None
 
             def run(feeds):
                 with np.errstate(over="ignore"):  # numpy's Sigmoid overflows to exactly 0/1, as it should

@@ -48,6 +48,8 @@ def test_verify_and_generate_on_an_export(tiny_export):
     r_eager = run("generate", "k3-tiny", "--prompt-ids", "4,5,6", "--prompt-ids", "9", "--max-new-tokens", "8",
                   "--json")
     assert json.loads(r.output)["tokens"] == json.loads(r_eager.output)["tokens"]
+    # an export folder is not a checkpoint: the eager backend says so instead of inventing random weights
+    one_line_error(run("generate", str(folder)), "is an export folder")
 
 
 def test_export_json_records(tiny_export):
@@ -110,6 +112,16 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch, tiny_export):
     with pytest.raises(RuntimeError, match="simulated"):
         export_mod.export(model, tmp_path / "out")
     _no_leftovers(tmp_path, "out")
+
+
+def test_corrupt_model_file(tmp_path, tiny_export):
+    import shutil
+
+    _, folder, _ = tiny_export
+    shutil.copytree(folder, tmp_path / "bad")
+    (tmp_path / "bad" / "model.onnx").write_bytes(b"\x08\x07garbage")
+    for backend in ("onnx", "onnx-reference"):
+        one_line_error(run("generate", str(tmp_path / "bad"), "--backend", backend), "cannot load it")
 
 
 def test_verify_rejects_non_export_folder(tmp_path):
