@@ -95,6 +95,8 @@ def test_onnxruntime_equals_eager_prefill_and_decode(tiny_export):
     _assert_parity(doc["parity"])  # recorded at export time
     _assert_parity(compare(model, folder, decode_steps=3,
                            prompts=[[5, 17, 200, 3, 9, 9, 41], [1, 2], [250, 251, 252, 253]]))
+    # a prompt longer than two KDA chunks (64), next to a one-token prompt padded by 136
+    _assert_parity(compare(model, folder, decode_steps=2, prompts=[[(3 * i) % 256 for i in range(137)], [7]]))
 
 
 def test_onnx_reference_equals_eager(tiny_export):
