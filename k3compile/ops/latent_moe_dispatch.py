@@ -114,7 +114,7 @@ def onnx_function(opset: int, mxfp4: bool):
     from onnx import AttributeProto, helper
 
     from k3compile.ops import mxfp4_matmul  # the module (its ONNX name)
-    from k3compile.ops.onnx_body import DOMAIN, Body, maybe_fake_quant
+    from k3compile.ops.onnx_body import DOMAIN, Body, matmul_transposed, maybe_fake_quant
 
     b = Body()
 
@@ -124,7 +124,7 @@ def onnx_function(opset: int, mxfp4: bool):
             out = b.op(mxfp4_matmul.ONNX_NAME, x, w, f"{w}_scale", domain=DOMAIN)
             b.nodes[-1].attribute.append(helper.make_attribute_ref("act_quant", AttributeProto.INT))
             return out
-        return b.op("Einsum", maybe_fake_quant(b, x), w, equation="...mk,...nk->...mn")
+        return matmul_transposed(b, maybe_fake_quant(b, x), w)
 
     z1 = b.op("Unsqueeze", "z", b.const([0], np.int64))  # [1, N, D]: broadcast over the expert axis
     gate, up = b.op("Split", expert_matmul(z1, "w13"), axis=-1, num_outputs=2, outputs=2)  # [E, N, I] each

@@ -52,13 +52,12 @@ def onnx_schema():
 
 
 def onnx_function(opset: int):
-    from k3compile.ops.onnx_body import Body, maybe_fake_quant
+    from k3compile.ops.onnx_body import Body, matmul_transposed, maybe_fake_quant
     from k3compile.quant.mx_onnx import dequant_mxfp4
 
     b = Body()
     w = dequant_mxfp4(b, "w_packed", "w_scale")
-    xq = maybe_fake_quant(b, "x")
-    b.op("Einsum", xq, w, equation="...mk,...nk->...mn", name="y")
+    b.op("Identity", matmul_transposed(b, maybe_fake_quant(b, "x"), w), name="y")
     return b.function(ONNX_NAME, ["x", "w_packed", "w_scale"], ["y"], ["act_quant"], opset, onnx_schema().doc)
 
 

@@ -97,6 +97,12 @@ ACT_QUANT_CODES = {"none": 0, "e4m3": 1, "e5m2": 2}
 ACTIVATION_CODES = {"silu": 0, "situ": 1}
 
 
+def matmul_transposed(b: Body, x: str, w: str) -> str:
+    """x [..., M, K] @ w[..., N, K]^T -> [..., M, N], leading dims broadcast numpy-style (any ranks): MatMul with w's
+    last two dims swapped (a one-input Einsum, valid for any rank of w)."""
+    return b.op("MatMul", x, b.op("Einsum", w, equation="...nk->...kn"))
+
+
 def maybe_fake_quant(b: Body, x: str) -> str:
     """MXFP8 fake quantization of x chosen by the calling node's `act_quant` attribute (0 none, 1 e4m3, 2 e5m2)."""
     from k3compile.quant.mx_onnx import fake_quant
