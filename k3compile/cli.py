@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import click
 
@@ -151,7 +151,7 @@ def generate(source, prompt_ids, max_new_tokens, backend, temperature, top_p, se
 
                 engine = OnnxBackend(source, reference=backend == "onnx-reference")
         bar, cb = _progress("generating", quiet)
-        with bar or _nullctx():
+        with bar or nullcontext():
             result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
     doc = {
@@ -273,11 +273,6 @@ def verify(folder, reference, tolerance, decode_steps, source_override, as_json,
     if failed:
         raise click.ClickException(f"{len(failed)} output(s) past tolerance {tolerance:g}; worst "
                                    f"{max(r['max_abs'] for r in failed):.2e}")
-
-
-@contextmanager
-def _nullctx():
-    yield
 
 
 if __name__ == "__main__":
