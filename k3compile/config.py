@@ -98,10 +98,6 @@ class K3Config:
         return self.routed_expert_hidden_size is not None
 
     @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
     def is_k3(self) -> bool:
         """True when any K3-only feature is on (decides the nested kimi_k3 config.json layout)."""
         return (
