@@ -33,6 +33,8 @@ A_LOG_PAD = 128  # K3 stores A_log padded to a multiple of 128 entries (96 heads
 
 _EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w13|w2)(?:_(packed|scale))?$")
 _CKPT_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale)$")
+_SUFFIX = {None: "weight", "packed": "weight_packed", "scale": "weight_scale"}  # stacked buffer part -> HF suffix
+_PART = {v: k for k, v in _SUFFIX.items()}
 _DENSE_ALIAS = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
 
@@ -56,7 +58,7 @@ def to_checkpoint(state: dict[str, torch.Tensor], cfg: K3Config, layout: str) ->
         m = _EXPERT.match(key)
         if m:
             base, which, part = m.groups()
-            suffix = {None: "weight", "packed": "weight_packed", "scale": "weight_scale"}[part]
+            suffix = _SUFFIX[part]
             for e in range(t.shape[0]):
                 if which == "w2":
                     out[f"{pre}{base}.{e}.w2.{suffix}"] = t[e]
@@ -97,8 +99,8 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: K3Config, layout: str
         if w == "w1":
             w3 = experts[(base, "w3", suffix)]
             stacked = torch.cat([stacked, torch.stack([w3[e] for e in range(len(w3))])], dim=1)
-        part = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[suffix]
-        state[f"{base}.{'w13' if w == 'w1' else 'w2'}{part}"] = stacked
+        part = _PART[suffix]
+        state[f"{base}.{'w13' if w == 'w1' else 'w2'}{'' if part is None else '_' + part}"] = stacked
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

@@ -32,7 +32,7 @@ import torch
 
 from k3compile import __version__
 from k3compile.config import K3Config
-from k3compile.model.cache import state_names
+from k3compile.model.cache import init_past, state_names
 from k3compile.model.k3 import K3ForCausalLM
 from k3compile.ops import kda_recurrence, latent_moe_dispatch, mxfp4_matmul
 from k3compile.ops.onnx_body import DOMAIN, register
@@ -85,14 +85,10 @@ def sample_inputs(cfg: K3Config, batch: int = 2, new: int = 3, past: int = 2, se
     ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)
     mask = torch.ones(batch, past + new, dtype=torch.long)
     flat: list[torch.Tensor] = [ids, mask]
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_mla(i):
-            flat += [torch.randn(batch, past, cfg.kv_lora_rank, generator=gen),
-                     torch.randn(batch, past, cfg.qk_rope_head_dim, generator=gen)]
-        else:
-            flat += [torch.randn(batch, 3 * hk, cfg.conv_kernel_size - 1, generator=gen),
-                     torch.randn(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, generator=gen) * 0.1]
+    for i, state in enumerate(init_past(cfg, batch)):  # the decode-state shapes, with P = past for MLA caches
+        for t in state:
+            shape = (batch, past, t.shape[2]) if cfg.is_mla(i) else t.shape
+            flat.append(torch.randn(shape, generator=gen) * (0.1 if t.dim() == 4 else 1.0))  # S kept small
     return flat
 
 
