@@ -4,8 +4,9 @@ Two layouts: Kimi-Linear (prefix `model.`, `lm_head.weight`, `A_log` [1, 1, H, 1
 `language_model.model.`, `language_model.lm_head.weight`, `A_log` 1-D and zero-padded past H). Routed experts are
 per-expert `block_sparse_moe.experts.E.{w1,w2,w3}.weight` (float) or `.weight_packed` + `.weight_scale` (MXFP4:
 uint8 nibbles + E8M0 bytes, 32-element groups along the input dim); the model stacks them. Single files and
-sharded `model.safetensors.index.json` folders both load. A missing, extra or misshaped tensor is reported by its
-checkpoint name before any weight is read.
+sharded `model.safetensors.index.json` folders both load. A missing, extra, misshaped or wrongly typed tensor is
+reported by its checkpoint name before any weight is read; a weight holding NaN / Inf, or an E8M0 scale byte 0xFF
+(NaN), is reported by name as it is read.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from k3compile.config import ConfigError, K3Config, load_config
+from k3compile.config import EXPERT_CHOICES, ConfigError, K3Config, load_config
 from k3compile.model.k3 import K3ForCausalLM, init_weights
-from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
+from k3compile.quant.mx import E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
+from k3compile.sizing import check_fits
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ _CKPT_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\
 _SUFFIX = {None: "weight", "packed": "weight_packed", "scale": "weight_scale"}  # stacked buffer part -> HF suffix
 _PART = {v: k for k, v in _SUFFIX.items()}
 _DENSE_ALIAS = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
+BYTE_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("U8", "F8_E8M0")}  # MXFP4 nibbles, E8M0 scale bytes
 
 
 class CheckpointError(ValueError):
@@ -112,8 +117,10 @@ def _files(folder: Path) -> list[Path]:
     if (folder / INDEX).is_file():
         try:
             wm = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{folder / INDEX}: unreadable shard index ({e})") from None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) and f and Path(f).name == f for f in wm.values()):
+            raise CheckpointError(f"{folder / INDEX}: weight_map must map tensor names to file names in {folder}")
         files = sorted({folder / f for f in wm.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -166,8 +173,13 @@ def _expected(cfg: K3Config, layout: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in to_checkpoint(model.state_dict(), cfg, layout).items()}
 
 
-def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str) -> None:
-    """Raise CheckpointError naming every missing, extra or misshaped tensor."""
+def _want_dtypes(name: str) -> tuple[str, ...]:
+    return BYTE_DTYPES.get(name.rsplit(".", 1)[-1], FLOAT_DTYPES)
+
+
+def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str,
+                dtypes: dict[str, str] | None = None) -> None:
+    """Raise CheckpointError naming every missing, extra, misshaped or (given `dtypes`) wrongly typed tensor."""
     want = _expected(cfg, layout)
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
@@ -177,7 +189,11 @@ def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str) -
             if k.endswith(".A_log") and layout == "k3" and len(found[k]) == 1 and found[k][0] >= cfg.kda_num_heads:
                 continue  # any zero padding past H is accepted
             bad.append(f"{k} {list(found[k])} (expected {list(shape)})")
+    typed = [f"{k} {dtypes[k]} (expected {' or '.join(_want_dtypes(k))})" for k in want
+             if dtypes and k in dtypes and dtypes[k] not in _want_dtypes(k)]
     problems = []
+    if typed:
+        problems.append(f"wrong dtype: {_short(typed, 4)}")
     if missing:
         problems.append(f"missing {len(missing)} tensor(s): {_short(missing)}")
     if extra:
@@ -200,7 +216,7 @@ def load_checkpoint(
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
-    if experts not in ("auto", "float", "mxfp4"):
+    if experts not in EXPERT_CHOICES:
         raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
     if cfg is None:
         try:
@@ -220,9 +236,13 @@ def load_checkpoint(
             alias[f"{pre}{m.group(1)}.mlp.{m.group(2)}"] = k
     shapes = {alias_inv: found[k][1] for alias_inv, k in alias.items()}
     shapes.update({k: v[1] for k, v in found.items() if k not in alias.values()})
+    dtypes = {k: found[alias.get(k, k)][2] for k in shapes}
     stored = detect_expert_format(shapes) or cfg.expert_format
-    stored_cfg = cfg.replace(expert_format=stored)
-    check_names(stored_cfg, shapes, layout)
+    try:
+        stored_cfg = cfg.replace(expert_format=stored)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    check_names(stored_cfg, shapes, layout, dtypes)
     tensors: dict[str, torch.Tensor] = {}
     src = {k: alias.get(k, k) for k in shapes}
     by_file: dict[Path, list[str]] = {}
@@ -230,25 +250,50 @@ def load_checkpoint(
         by_file.setdefault(found[s][0], []).append(k)
     done = 0
     for f, keys in by_file.items():
-        with safe_open(f, "pt") as h:
-            for k in keys:
-                t = h.get_tensor(src[k])
-                if t.dtype == getattr(torch, "float8_e8m0fnu", None):
-                    t = t.view(torch.uint8)
-                tensors[k] = t if t.dtype == torch.uint8 else t.to(dtype)
-                done += 1
-                if progress:
-                    progress(done, len(src))
+        try:
+            with safe_open(f, "pt") as h:
+                for k in keys:
+                    t = h.get_tensor(src[k])
+                    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+                        t = t.view(torch.uint8)
+                    _check_finite(src[k], t)
+                    tensors[k] = t if t.dtype == torch.uint8 else t.to(dtype)
+                    done += 1
+                    if progress:
+                        progress(done, len(src))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{f}: cannot read its tensors ({str(e).splitlines()[0][:200]})") from None
     state = from_checkpoint(tensors, stored_cfg, layout)
     target = stored if experts == "auto" else experts
+    try:
+        target_cfg = cfg.replace(expert_format=target)
+    except ConfigError as e:
+        raise CheckpointError(f"experts={target}: {e}") from None
     if target != stored:
         state = convert_experts(state, target, dtype)
-    with torch.device("meta"):  # no second copy of the weights: the loaded tensors are assigned
-        model = K3ForCausalLM(cfg.replace(expert_format=target))
+    log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
+    return _assemble(target_cfg, state)
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    """A NaN / Inf weight or a NaN E8M0 scale would make every output NaN (and greedy decode print token 0)."""
+    if t.is_floating_point():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise CheckpointError(f"{name}: {bad} non-finite value(s) (NaN or Inf)")
+    elif name.endswith(".weight_scale") and t.dtype == torch.uint8:
+        bad = int((t == E8M0_NAN).sum())
+        if bad:
+            raise CheckpointError(f"{name}: {bad} E8M0 scale byte(s) 0xFF, which encode NaN")
+
+
+def _assemble(cfg: K3Config, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
+    """A model holding exactly these tensors (built on the meta device: no second copy of the weights)."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
         model.lm_head.weight = model.model.embed_tokens.weight
-    log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
     return model.eval()
 
 
@@ -276,14 +321,26 @@ def save_checkpoint(
     layout: str | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 4 << 30,
+    overwrite: bool = False,
 ) -> Path:
     """Write config.json + safetensors (sharded with an index past max_shard_bytes). Layout defaults to k3 for
-    configs with K3 features, else kimi_linear."""
+    configs with K3 features, else kimi_linear.
+
+    The folder must be empty or absent. With `overwrite`, the files an earlier save wrote there (config.json, the
+    single file or the index and its shards) are removed first, so that no stale index or shard can be loaded in
+    place of the new weights; any other file (a tokenizer, a README) is left alone."""
     cfg = model.config
     layout = layout or ("k3" if cfg.is_k3 else "kimi_linear")
     if layout not in LAYOUTS:
         raise CheckpointError(f"layout: {layout!r} is not one of {LAYOUTS}")
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder}: exists and is not a folder")
+    if folder.is_dir() and any(folder.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{folder}: not empty (overwrite=True replaces an earlier checkpoint's files)")
+        for f in _saved_files(folder):
+            f.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     tensors = to_checkpoint(model.state_dict(), cfg, layout)
     tensors = {
@@ -313,16 +370,37 @@ def save_checkpoint(
     return folder
 
 
+def _saved_files(folder: Path) -> list[Path]:
+    """The files save_checkpoint writes, as an earlier save left them in `folder`."""
+    names = {"config.json", SINGLE, INDEX}
+    try:
+        names |= set(json.loads((folder / INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return [f for f in folder.iterdir()
+            if (f.name in names or _SHARD.match(f.name)) and f.is_file() and not f.is_symlink()]
+
+
 def load_model(
     source: str | Path, seed: int = 0, experts: str = "auto", progress: Callable[[int, int], None] | None = None
 ) -> K3ForCausalLM:
-    """A preset name or config.json (seeded random weights) or a checkpoint folder (its weights)."""
+    """A preset name or config.json (seeded random weights) or a checkpoint folder (its weights).
+
+    `experts` means the same for both: "auto" keeps the stored format, "float" dequantizes MXFP4 experts and
+    "mxfp4" quantizes float ones; for a preset, the stored weights are the seeded draw in the preset's own format,
+    so `--experts float` gives the same model as `--experts auto`, dequantized."""
     p = Path(source)
+    if experts not in EXPERT_CHOICES:
+        raise CheckpointError(f"experts: {experts!r} is not one of {', '.join(EXPERT_CHOICES)}")
     if p.is_dir():
         if (p / "model.onnx").is_file() and not any(p.glob("*.safetensors")):
             raise CheckpointError(f"{p} is an export folder, not a checkpoint (run it with --backend onnx)")
         return load_checkpoint(p, experts=experts, progress=progress)
     cfg = load_config(source)
-    if experts != "auto":
-        cfg = cfg.replace(expert_format=experts)
-    return init_weights(K3ForCausalLM(cfg), seed=seed).eval()
+    target = cfg.expert_format if experts == "auto" else experts
+    target_cfg = cfg.replace(expert_format=target)  # checks that the widths allow MXFP4
+    check_fits(cfg)
+    model = init_weights(K3ForCausalLM(cfg), seed=seed).eval()
+    if target == cfg.expert_format:
+        return model
+    return _assemble(target_cfg, convert_experts(model.state_dict(), target, torch.float32))

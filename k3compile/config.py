@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ class ConfigError(ValueError):
 
 ACTIVATIONS = ("silu", "situ")
 EXPERT_FORMATS = ("float", "mxfp4")
+EXPERT_CHOICES = ("auto", *EXPERT_FORMATS)  # what a loader may be asked for: the stored format, or a conversion
+MAX_SIZE = 2**31 - 1  # every width, count and id fits an int32 (tensor dims in ONNX and the kernels)
+BOOL_FIELDS = ("tie_word_embeddings", "use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm",
+               "moe_renormalize")
+FLOAT_FIELDS = ("rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta", "routed_scaling_factor")
 
 
 @dataclass(frozen=True)
@@ -208,25 +214,60 @@ def _get(d: dict[str, Any], key: str, default: Any = None) -> Any:
     return default
 
 
-def _num(d: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+def _num(d: dict[str, Any], key: str, default: Any, kind: type, optional: bool = False) -> Any:
+    """A JSON number of the right kind: finite, integral for `kind=int`, within MAX_SIZE; null only if optional."""
     v = _get(d, key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-        raise ConfigError(f"{key}: expected {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if v is None and optional:
+        return None
+    what = ("an integer" if kind is int else "a number") + (" or null" if optional else "")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key}: expected {what}, got {v!r}")
+    if not math.isfinite(v):
+        raise ConfigError(f"{key}: must be finite, got {v!r}")
+    if kind is int and v != int(v):
+        raise ConfigError(f"{key}: expected {what}, got {v!r}")
+    if abs(v) > MAX_SIZE:
+        raise ConfigError(f"{key}: {v!r} is too large (at most {MAX_SIZE})")
     return kind(v)
 
 
-def _token_id(v: Any) -> int | None:
+def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    """A JSON boolean: the string "false" or the number 0 is an error, not a truthy or falsy guess."""
+    v = _get(d, key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true or false (a JSON boolean), got {v!r}")
+    return v
+
+
+def _token_id(d: dict[str, Any], key: str) -> int | None:
+    """null, an integer, or a list of integers (HF allows several EOS ids; the first is used)."""
+    v = d.get(key)
     if isinstance(v, list):
-        return int(v[0]) if v else None
-    return None if v is None else int(v)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            raise ConfigError(f"{key}: expected an integer, a list of integers or null, got {v!r}")
+        v = v[0] if v else None
+    return _num({key: v}, key, None, int, optional=True)
+
+
+def _object(d: dict[str, Any], key: str) -> dict[str, Any]:
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"{key}: expected a JSON object, got {v!r}")
+    return v
+
+
+def _int_list(v: Any, key: str, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ConfigError(f"{key}: expected a list of {what}, got {v!r}")
+    return v
 
 
 def _layer_lists(d: dict[str, Any], n_layers: int) -> tuple[int, ...]:
-    lac = d.get("linear_attn_config") or {}
+    lac = _object(d, "linear_attn_config")
     if "full_attn_layers" in lac:
-        full = lac["full_attn_layers"]
-        if not isinstance(full, list) or not all(isinstance(i, int) for i in full):
-            raise ConfigError("linear_attn_config.full_attn_layers: expected a list of 1-indexed layer numbers")
+        full = _int_list(lac["full_attn_layers"], "linear_attn_config.full_attn_layers", "1-indexed layer numbers")
         bad = [i for i in full if not 1 <= i <= n_layers]
         if bad:
             raise ConfigError(
@@ -234,6 +275,7 @@ def _layer_lists(d: dict[str, Any], n_layers: int) -> tuple[int, ...]:
             )
         kda = lac.get("kda_layers")
         if kda is not None:
+            kda = _int_list(kda, "linear_attn_config.kda_layers", "1-indexed layer numbers")
             if sorted(set(kda) | set(full)) != list(range(1, n_layers + 1)) or set(kda) & set(full):
                 raise ConfigError(
                     "linear_attn_config.kda_layers: kda_layers and full_attn_layers must split layers 1.."
@@ -242,6 +284,8 @@ def _layer_lists(d: dict[str, Any], n_layers: int) -> tuple[int, ...]:
         return tuple(sorted(i - 1 for i in set(full)))
     types = d.get("layer_types")
     if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise ConfigError(f"layer_types: expected a list of strings, got {types!r}")
         if len(types) != n_layers:
             raise ConfigError(f"layer_types: {len(types)} entries for num_hidden_layers={n_layers}")
         return tuple(i for i, t in enumerate(types) if t == "full_attention")
@@ -252,26 +296,30 @@ def _from_hf_dict(d: dict[str, Any], name: str) -> K3Config:
     if not isinstance(d, dict):
         raise ConfigError("config.json: expected a JSON object")
     mt = d.get("model_type")
-    quant = d.get("quantization_config")
+    quant = _object(d, "quantization_config")
     if mt == "kimi_k3":
         if not isinstance(d.get("text_config"), dict):
             raise ConfigError("text_config: a kimi_k3 config must nest its kimi_linear text config")
-        quant = d["text_config"].get("quantization_config", quant)
+        quant = _object(d["text_config"], "quantization_config") or quant
         d = d["text_config"]
         mt = d.get("model_type", "kimi_linear")
     if mt not in ("kimi_linear", None):
         raise ConfigError(f"model_type: {mt!r} is not of the kimi_linear family (kimi_linear or kimi_k3)")
     for req in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if not isinstance(d.get(req), int):
-            raise ConfigError(f"{req}: missing or not an integer")
+        if req not in d:
+            raise ConfigError(f"{req}: missing")
+        _num(d, req, None, int)
     n_layers = d["num_hidden_layers"]
-    lac = d.get("linear_attn_config") or {}
-    if d.get("mla_use_nope") is False:
+    lac = _object(d, "linear_attn_config")
+    if _bool(d, "mla_use_nope", True) is False:
         raise ConfigError("mla_use_nope: false (rotary MLA) is not part of the K3 family; only NoPE MLA is supported")
     if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"moe_router_activation_func: {d['moe_router_activation_func']!r}; only sigmoid is supported")
     if d.get("moe_layer_freq", 1) != 1:
         raise ConfigError("moe_layer_freq: only 1 (every layer after first_k_dense_replace is MoE) is supported")
+    hidden_act = d.get("hidden_act", "silu")
+    if not isinstance(hidden_act, str):
+        raise ConfigError(f"hidden_act: expected a string, got {hidden_act!r}")
     expert_format = "float"
     if quant:
         fmt = str(quant.get("format", "")) + str(quant.get("quant_method", ""))
@@ -285,24 +333,24 @@ def _from_hf_dict(d: dict[str, Any], name: str) -> K3Config:
         num_hidden_layers=n_layers,
         full_attn_layers=_layer_lists(d, n_layers),
         rms_norm_eps=_num(d, "rms_norm_eps", 1e-5, float),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
         max_position_embeddings=_num(d, "max_position_embeddings", 1048576, int),
-        bos_token_id=_token_id(d.get("bos_token_id")),
-        eos_token_id=_token_id(d.get("eos_token_id")),
-        pad_token_id=_token_id(d.get("pad_token_id")),
+        bos_token_id=_token_id(d, "bos_token_id"),
+        eos_token_id=_token_id(d, "eos_token_id"),
+        pad_token_id=_token_id(d, "pad_token_id"),
         kda_num_heads=_num(lac, "num_heads", d.get("linear_num_heads", 32), int),
         kda_head_dim=_num(lac, "head_dim", d.get("linear_head_dim", 128), int),
         conv_kernel_size=_num(lac, "short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4), int),
-        gate_lower_bound=lac.get("gate_lower_bound"),
-        use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        gate_lower_bound=_num(lac, "gate_lower_bound", None, float, optional=True),
+        use_full_rank_gate=_bool(lac, "use_full_rank_gate", False),
         num_attention_heads=_num(d, "num_attention_heads", 32, int),
-        q_lora_rank=d.get("q_lora_rank"),
+        q_lora_rank=_num(d, "q_lora_rank", None, int, optional=True),
         kv_lora_rank=_num(d, "kv_lora_rank", 512, int),
         qk_nope_head_dim=_num(d, "qk_nope_head_dim", 128, int),
         qk_rope_head_dim=_num(d, "qk_rope_head_dim", 64, int),
         v_head_dim=_num(d, "v_head_dim", 128, int),
-        mla_use_output_gate=bool(d.get("mla_use_output_gate", False)),
-        hidden_act=d.get("hidden_act", "silu"),
+        mla_use_output_gate=_bool(d, "mla_use_output_gate", False),
+        hidden_act=hidden_act,
         activation_situ_beta=_num(d, "activation_situ_beta", 4.0, float),
         activation_situ_linear_beta=_num(d, "activation_situ_linear_beta", 25.0, float),
         intermediate_size=_num(d, "intermediate_size", 9216, int),
@@ -311,14 +359,14 @@ def _from_hf_dict(d: dict[str, Any], name: str) -> K3Config:
         num_experts_per_token=_num(d, "num_experts_per_token", 0, int),
         num_shared_experts=_num(d, "num_shared_experts", 0, int),
         moe_intermediate_size=_num(d, "moe_intermediate_size", 1024, int),
-        routed_expert_hidden_size=d.get("routed_expert_hidden_size"),
-        latent_moe_use_norm=bool(d.get("latent_moe_use_norm", False)),
-        moe_renormalize=bool(_get(d, "moe_renormalize", True)),
+        routed_expert_hidden_size=_num(d, "routed_expert_hidden_size", None, int, optional=True),
+        latent_moe_use_norm=_bool(d, "latent_moe_use_norm", False),
+        moe_renormalize=_bool(d, "moe_renormalize", True),
         routed_scaling_factor=_num(d, "routed_scaling_factor", 1.0, float),
         num_expert_group=_num(d, "num_expert_group", 1, int),
         topk_group=_num(d, "topk_group", 1, int),
         expert_format=expert_format,
-        attn_res_block_size=d.get("attn_res_block_size"),
+        attn_res_block_size=_num(d, "attn_res_block_size", None, int, optional=True),
         name=name,
     )
     try:
@@ -340,12 +388,28 @@ def validate(c: K3Config) -> None:
         need(ok, fld, f"must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
 
     for f in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads", "kda_head_dim", "conv_kernel_size",
-              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
+              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "intermediate_size"):
         pos(f)
-    for f in ("qk_rope_head_dim", "first_k_dense_replace", "num_experts", "num_shared_experts"):
+    for f in ("first_k_dense_replace", "num_experts", "num_shared_experts"):
         pos(f, allow_zero=True)
+    for f in dataclasses.fields(c):
+        v = getattr(c, f.name)
+        if isinstance(v, int) and not isinstance(v, bool):
+            need(v <= MAX_SIZE, f.name, f"{v} is too large (at most {MAX_SIZE})")
+    for f in BOOL_FIELDS:
+        need(isinstance(getattr(c, f), bool), f, f"must be true or false, got {getattr(c, f)!r}")
+    for f in (*FLOAT_FIELDS, "gate_lower_bound"):
+        v = getattr(c, f)
+        need((v is None and f == "gate_lower_bound") or (isinstance(v, (int, float)) and not isinstance(v, bool)
+             and math.isfinite(v)), f, f"must be a finite number, got {v!r}")
+    # A 1-wide short conv keeps no decode state (a zero-width conv_state), and a zero qk_rope_head_dim a zero-width
+    # k_rope cache: the graph interface needs both states non-empty (onnxruntime dies on the empty ones).
+    need(c.conv_kernel_size >= 2, "conv_kernel_size",
+         f"the short conv must be at least 2 wide, got {c.conv_kernel_size}")
     need(c.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {c.rms_norm_eps}")
-    need(all(isinstance(i, int) and 0 <= i < c.num_hidden_layers for i in c.full_attn_layers), "full_attn_layers",
+    need(all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < c.num_hidden_layers
+             for i in c.full_attn_layers), "full_attn_layers",
          f"indices must lie in 0..{c.num_hidden_layers - 1}")
     need(tuple(sorted(set(c.full_attn_layers))) == tuple(c.full_attn_layers), "full_attn_layers",
          "must be sorted and unique")
@@ -359,7 +423,8 @@ def validate(c: K3Config) -> None:
          "attn_res_block_size", f"must be null or a positive integer, got {c.attn_res_block_size!r}")
     for tid in ("bos_token_id", "eos_token_id", "pad_token_id"):
         v = getattr(c, tid)
-        need(v is None or 0 <= v < c.vocab_size, tid, f"{v} is outside the vocabulary 0..{c.vocab_size - 1}")
+        need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < c.vocab_size), tid,
+             f"{v} is outside the vocabulary 0..{c.vocab_size - 1}")
     if c.num_experts > 0:
         pos("num_experts_per_token")
         pos("moe_intermediate_size")
@@ -461,7 +526,12 @@ def load_config(source: str | Path) -> K3Config:
             raise ConfigError(f"unknown preset {source!r}; known presets: {', '.join(PRESETS)} (or give a folder)")
         raise ConfigError(f"{p}: no such config file")
     try:
-        d = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = json.loads(p.read_text(), parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"{p}: not readable JSON ({e})") from None
     return K3Config.from_hf_dict(d, name=str(source))
+
+
+def _no_constant(name: str):
+    """json's NaN / Infinity / -Infinity extensions are not JSON; a config holding one is rejected."""
+    raise ConfigError(f"config.json: {name} is not a JSON number (numbers must be finite)")

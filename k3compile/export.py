@@ -8,19 +8,19 @@ standard ops (KDA: opset-27 LinearAttention), so onnxruntime and onnx.reference 
 
 Recipe (TOOLCHAIN.md): export at opset 23 with optimize=False (the default optimizer inlines functions and folds
 packed weights into int64), raise the default-domain import to the requested opset (>= 27), fold only tiny
-constants, then append the function bodies. Everything is written into a temporary folder renamed into place at
-the end, so a failed export never leaves a half-written OUT.
+constants, then append the function bodies. Everything is written through `artifact.ArtifactWriter` (a locked work
+folder renamed into place at the end), so a failed or interrupted export never leaves a half-written OUT, and
+`--overwrite` replaces only an earlier k3compile artifact (docs/architecture.md, "Writing OUT").
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
-import os
+import math
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from k3compile import __version__
-from k3compile.config import K3Config
+from k3compile.artifact import ArtifactError, ArtifactWriter, check_out
+from k3compile.config import EXPERT_CHOICES, K3Config, load_config
 from k3compile.model.cache import init_past, state_names
 from k3compile.model.k3 import K3ForCausalLM
 from k3compile.ops import kda_recurrence, latent_moe_dispatch, mxfp4_matmul
@@ -40,12 +41,16 @@ from k3compile.ops.onnx_body import DOMAIN, register
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+CONFIG_FILE = "config.json"
 DATA_FILE = "model.onnx.data"
 EXPORT_JSON = "export.json"
 TRACE_OPSET = 23  # torch.onnx's converter cannot reach 27 itself (no RMSNormalization adapter)
 MIN_OPSET = kda_recurrence.MIN_OPSET
 EXTERNAL_DATA_BYTES = 256 << 20  # weights beside the model past this size (protobuf caps a file at 2 GiB)
 ACTIVATIONS = {"none": "none", "mxfp8": "e4m3", "mxfp8-e5m2": "e5m2"}
+# The parity run's bound: fp32 on both sides, different kernels and summation orders (ORT's LinearAttention, the
+# dense MoE body); observed ~1e-6 on k3-tiny and ~3e-5 on k3-small.
+DEFAULT_TOL = 1e-4
 
 
 class ExportError(ValueError):
@@ -251,20 +256,6 @@ def _shape(vi) -> list:
     return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
 
-def _writable_parent(out: Path) -> Path:
-    parent = out.resolve().parent
-    for p in (parent, *parent.parents):
-        if p.exists() and not p.is_dir():
-            raise ExportError(f"{out}: {p} is not a folder")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ExportError(f"{out}: cannot create {parent} ({e.strerror})") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ExportError(f"{out}: cannot write into {parent}")
-    return parent
-
-
 def check_opset(opset: int) -> None:
     import onnx
 
@@ -275,14 +266,24 @@ def check_opset(opset: int) -> None:
         raise ExportError(f"--opset {opset} is above {onnx.defs.onnx_opset_version()}, the newest this onnx knows")
 
 
-def check_options(out: Path, opset: int, activations: str, overwrite: bool) -> Path:
-    """Fail fast, before any weight is loaded or traced; returns OUT's (writable) parent."""
+def check_options(out: str | Path, opset: int, activations: str, overwrite: bool,
+                  protect: tuple[Path, ...] = ()) -> Path:
+    """Fail fast, before any weight is loaded or traced, creating nothing; returns OUT's parent."""
     check_opset(opset)
     if activations not in ACTIVATIONS:
         raise ExportError(f"--activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
-    if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
-        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    return _writable_parent(out)
+    try:
+        return check_out(out, overwrite, protect)
+    except ArtifactError as e:
+        raise ExportError(str(e)) from None
+
+
+def source_paths(source: dict | None) -> tuple[Path, ...]:
+    """The files a source record points at (a checkpoint folder, a config.json), which OUT must never replace."""
+    src = (source or {}).get("source")
+    if isinstance(src, str) and src and Path(src).exists():
+        return (Path(src),)
+    return ()
 
 
 def export(
@@ -293,75 +294,92 @@ def export(
     source: dict | None = None,
     overwrite: bool = False,
     verify: bool = True,
+    tolerance: float = DEFAULT_TOL,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Export `model` into folder `out` (model.onnx [+ model.onnx.data], config.json, export.json); returns the
-    export.json document. `source` records where the weights came from (for `k3compile verify`)."""
+    export.json document. `source` records where the weights came from (for `k3compile verify`); OUT is never
+    that source. With `verify`, onnxruntime must match eager within `tolerance` (max abs, every output, prefill
+    and two decode steps) or the export fails and writes nothing."""
     import onnx
 
     step = progress or (lambda msg: None)
     out = Path(out)
-    parent = check_options(out, opset, activations, overwrite)
+    protect = source_paths(source)
+    check_options(out, opset, activations, overwrite, protect)
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise ExportError(f"tolerance must be a finite number >= 0, got {tolerance}")
     cfg = model.config
     t0 = time.perf_counter()
-    step("tracing with torch.export")
-    m = trace_to_onnx(model, opset, ACTIVATIONS[activations])
-    trace_s = time.perf_counter() - t0
-    step("checking the ONNX model")
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".k3export-", dir=parent))
-    except OSError as e:
-        raise ExportError(f"{out}: cannot write into {parent} ({e.strerror})") from None
-    try:
-        summary = summarize(m)
-        weight_bytes = sum(summary["weight_bytes"].values())
-        external = weight_bytes > EXTERNAL_DATA_BYTES
-        step("writing model.onnx" + (" + external weights" if external else ""))
-        onnx.save_model(m, str(tmp / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True,
-                        location=DATA_FILE, size_threshold=1024)
-        onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
-        cfg.save(tmp / "config.json")
-        gi = GraphInterface.of(cfg)
-        doc = {
-            "k3compile": __version__,
-            "versions": _versions(),
-            "source": source or {},
-            "opset": opset,
-            "ir_version": m.ir_version,
-            "activations": activations,
-            "expert_format": cfg.expert_format,
-            "inputs": {i.name: _shape(i) for i in m.graph.input},
-            "outputs": {o.name: _shape(o) for o in m.graph.output},
-            "interface": {"inputs": gi.inputs, "outputs": gi.outputs},
-            **summary,
-            "external_data": DATA_FILE if external else None,
-            "file_bytes": sum(f.stat().st_size for f in tmp.iterdir()),
-            "export_s": round(trace_s, 3),
-        }
-        if verify:
-            step("checking onnxruntime against eager")
-            from k3compile.verify import compare
+        with ArtifactWriter(out, overwrite, protect) as w:
+            step("tracing with torch.export")
+            m = trace_to_onnx(model, opset, ACTIVATIONS[activations])
+            trace_s = time.perf_counter() - t0
+            tmp = w.path
+            summary = summarize(m)
+            weight_bytes = sum(summary["weight_bytes"].values())
+            external = weight_bytes > EXTERNAL_DATA_BYTES
+            step("writing model.onnx" + (" + external weights" if external else ""))
+            onnx.save_model(m, str(tmp / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True,
+                            location=DATA_FILE, size_threshold=1024)
+            step("checking the ONNX model")
+            onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
+            cfg.save(tmp / CONFIG_FILE)
+            gi = GraphInterface.of(cfg)
+            doc = {
+                "k3compile": __version__,
+                "versions": _versions(),
+                "source": source or {},
+                "opset": opset,
+                "ir_version": m.ir_version,
+                "activations": activations,
+                "expert_format": cfg.expert_format,
+                "config_sha256": sha256_file(tmp / CONFIG_FILE),
+                "inputs": {i.name: _shape(i) for i in m.graph.input},
+                "outputs": {o.name: _shape(o) for o in m.graph.output},
+                "interface": {"inputs": gi.inputs, "outputs": gi.outputs},
+                **summary,
+                "external_data": DATA_FILE if external else None,
+                "file_bytes": sum(f.stat().st_size for f in tmp.iterdir()),
+                "export_s": round(trace_s, 3),
+            }
+            (tmp / EXPORT_JSON).write_text(dump_json(doc))  # the parity run opens the folder as any reader does
+            if verify:
+                step("checking onnxruntime against eager")
+                from k3compile.verify import compare, worst
 
-            doc["parity"] = compare(model, tmp, activations=activations)
-        (tmp / EXPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
-        _default_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                doc["parity"] = compare(model, tmp, activations=activations)
+                bad = worst(doc["parity"])
+                if not bad["max_abs"] <= tolerance:  # NaN fails too
+                    raise ExportError(
+                        f"onnxruntime differs from eager by {bad['max_abs']:.3g} ({bad['output']}, {bad['phase']}), "
+                        f"past the tolerance {tolerance:g}; nothing was written (--no-verify skips this check)")
+                (tmp / EXPORT_JSON).write_text(dump_json(doc))
+            step("renaming into place")
+            w.commit()
+    except ArtifactError as e:
+        raise ExportError(str(e)) from None
+    except OSError as e:  # a full disk, a folder removed under us
+        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
     log.info("exported %s in %.1fs", out, time.perf_counter() - t0)
     return doc
 
 
-def _default_permissions(folder: Path) -> None:
-    """mkdtemp makes a 0700 folder and onnx writes external data 0600: give OUT the usual umask permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
+def dump_json(doc) -> str:
+    """Strict JSON (no bare NaN / Infinity, which JSON does not have): a non-finite number is an error here."""
+    try:
+        return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise ExportError(f"non-finite number in a JSON record ({e})") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _versions() -> dict:
@@ -373,11 +391,85 @@ def _versions() -> dict:
             "onnxruntime": onnxruntime.__version__}
 
 
+def _record_error(folder: Path, what: str) -> ExportError:
+    return ExportError(f"{folder / EXPORT_JSON}: {what} (the record is damaged or was edited; export again)")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_export(folder: str | Path) -> dict:
+    """The export record, checked field by field before anything acts on it (verify rebuilds a model from it)."""
     folder = Path(folder)
     try:
-        return json.loads((folder / EXPORT_JSON).read_text())
+        doc = json.loads((folder / EXPORT_JSON).read_text(), parse_constant=_no_constant)
     except FileNotFoundError:
         raise ExportError(f"{folder}: not an export folder (no {EXPORT_JSON}; run `k3compile export` first)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ExportError(f"{folder / EXPORT_JSON}: unreadable ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("k3compile"), str):
+        raise _record_error(folder, "not a k3compile export record")
+    iface = doc.get("interface")
+    if not (isinstance(iface, dict) and set(iface) == {"inputs", "outputs"}
+            and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in iface.values())):
+        raise _record_error(folder, "interface: expected lists of input and output names")
+    if not isinstance(doc.get("activations", "none"), str) or doc.get("activations", "none") not in ACTIVATIONS:
+        raise _record_error(folder, f"activations: {doc.get('activations')!r} is not one of {', '.join(ACTIVATIONS)}")
+    sha = doc.get("config_sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise _record_error(folder, "config_sha256: not a sha256 digest")
+    src = doc.get("source", {})
+    if not isinstance(src, dict):
+        raise _record_error(folder, "source: expected an object")
+    if "source" in src and not (isinstance(src["source"], str) and src["source"]):
+        raise _record_error(folder, f"source.source: expected a preset name or a path, got {src['source']!r}")
+    seed = src.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise _record_error(folder, f"source.seed: expected an integer in 0..2^64-1, got {seed!r}")
+    if not isinstance(src.get("experts", "auto"), str) or src.get("experts", "auto") not in EXPERT_CHOICES:
+        raise _record_error(folder, f"source.experts: {src.get('experts')!r} is not one of {', '.join(EXPERT_CHOICES)}")
+    return doc
+
+
+def open_export(folder: str | Path) -> tuple[dict, K3Config]:
+    """The checked record and the config of an export folder: config.json must be the one the export wrote (its
+    sha256) and give the graph interface the record names."""
+    folder = Path(folder)
+    doc = read_export(folder)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ExportError(f"{folder}: no {CONFIG_FILE} beside {MODEL_FILE}")
+    sha = doc.get("config_sha256")
+    if sha is not None and sha256_file(cfg_path) != sha:
+        raise ExportError(f"{cfg_path}: changed since the export (its sha256 differs from {EXPORT_JSON}'s); "
+                          "the graph was built for the original, so export again instead of editing it")
+    cfg = load_config(cfg_path)
+    gi = GraphInterface.of(cfg)
+    if doc["interface"] != {"inputs": gi.inputs, "outputs": gi.outputs}:
+        raise ExportError(f"{cfg_path}: its layers do not give the graph interface {EXPORT_JSON} records")
+    return doc, cfg
+
+
+def check_graph(path: Path, cfg: K3Config) -> None:
+    """model.onnx must be the k3 graph of this config: the interface's input and output names, the vocabulary."""
+    import onnx
+
+    try:
+        m = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ExportError(f"{path}: cannot load it (not a readable ONNX model: {why})") from None
+    gi = GraphInterface.of(cfg)
+    inputs = [i.name for i in m.graph.input]
+    outputs = [o.name for o in m.graph.output]
+    if inputs != gi.inputs or outputs != gi.outputs:
+        raise ExportError(f"{path}: its inputs/outputs ({_short_names(inputs)} -> {_short_names(outputs)}) are not "
+                          f"the k3 graph interface of its config.json; not a k3compile export of this model")
+    dims = _shape(m.graph.output[0])
+    if len(dims) != 3 or dims[2] != cfg.vocab_size:
+        raise ExportError(f"{path}: logits {dims} do not end in the config's vocab_size {cfg.vocab_size}")
+
+
+def _short_names(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", … ({len(names)} in all)" if len(names) > n else "")

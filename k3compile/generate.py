@@ -7,6 +7,7 @@ Greedy by default; temperature / top-p sampling draws from a seeded generator, s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,7 +74,10 @@ def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Gener
     """logits [B, V] -> next token ids [B]."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Shift by the max before dividing: for a tiny temperature (1e-45) the quotient is 0 at the max and -inf
+    # elsewhere, which softmax takes, where logits / T alone overflows to inf - inf = NaN.
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.max(-1, keepdim=True).values) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate
@@ -97,10 +101,14 @@ def generate(
     check_prompts(prompts, cfg.vocab_size)
     if max_new_tokens < 0:
         raise GenerationError("max-new-tokens must be >= 0")
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > cfg.max_position_embeddings:
+        raise GenerationError(f"a prompt of {max(len(p) for p in prompts)} tokens plus {max_new_tokens} new tokens "
+                              f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
     if not 0.0 < top_p <= 1.0:
         raise GenerationError("top-p must lie in (0, 1]")
-    if temperature < 0:
-        raise GenerationError("temperature must be >= 0")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     ids, mask = left_pad(prompts, pad)
     gen = torch.Generator().manual_seed(seed)
@@ -115,6 +123,11 @@ def generate(
     for step in range(max_new_tokens):
         logits, past = backend.step(ids, mask, past)
         last = logits[:, -1]
+        if not bool(torch.isfinite(last).all()):
+            where = "prefill" if step == 0 else f"decode step {step}"
+            raise GenerationError(f"{where}: the model produced non-finite logits (NaN or Inf) for prompt(s) "
+                                  f"{sorted(set(torch.nonzero(~torch.isfinite(last))[:, 0].tolist()))}; "
+                                  "check the weights")
         if keep_logits:
             kept.append(last.detach().clone())
         nxt = pick_next(last, temperature, top_p, gen)

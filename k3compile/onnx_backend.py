@@ -1,7 +1,9 @@
 """Run an exported folder: onnxruntime (CPU) or onnx.reference, behind the same step interface as the eager model.
 
 `step(input_ids, attention_mask, past) -> (logits, present)` feeds the graph interface's names; `present` comes
-back in the layout `past` takes, so decode feeds it straight back.
+back in the layout `past` takes, so decode feeds it straight back. Opening a folder checks it first: its export.json
+record, its config.json against the record's hash and interface, and model.onnx's inputs and outputs against that
+interface, so that an edited config or an unrelated model.onnx is one error instead of a crash or wrong tokens.
 """
 
 from __future__ import annotations
@@ -11,20 +13,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.config import load_config
-from k3compile.export import MODEL_FILE, ExportError, GraphInterface, register_schemas
+from k3compile.export import MODEL_FILE, ExportError, GraphInterface, check_graph, open_export, register_schemas
 from k3compile.model.cache import init_past
+from k3compile.threads import default_threads
 
 
 class OnnxBackend:
-    def __init__(self, folder: str | Path, reference: bool = False) -> None:
+    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
         folder = Path(folder)
         if not (folder / MODEL_FILE).is_file():
             raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
-        self.config = load_config(folder / "config.json")
+        self.record, self.config = open_export(folder)
         self.interface = GraphInterface.of(self.config)
         self.name = "onnx.reference" if reference else "onnx"
         path = folder / MODEL_FILE
+        check_graph(path, self.config)
         if reference:
             import onnx
             from onnx.reference import ReferenceEvaluator
@@ -45,6 +48,8 @@ class OnnxBackend:
 
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
+            opts.intra_op_num_threads = threads or default_threads(self.config)
+            opts.inter_op_num_threads = 1
             try:
                 sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             except Exception as e:  # onnxruntime raises its own exception types for bad files

@@ -7,11 +7,12 @@ config stores them so, bf16 otherwise.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from k3compile.config import K3Config
+from k3compile.config import ConfigError, K3Config
 from k3compile.model.k3 import K3ForCausalLM
 
 
@@ -21,18 +22,20 @@ class ModelSize:
     active_params: int
     expert_params: int
     bytes: int
+    resident_bytes: int  # as this toolchain holds the weights: fp32, routed MXFP4 experts packed
 
 
 def model_size(cfg: K3Config) -> ModelSize:
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
-    total = active = experts = nbytes = 0
+    total = active = experts = nbytes = resident = 0
     frac = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 0.0
     seen = set()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if id(t) in seen:  # tied embeddings
             continue
         seen.add(id(t))
+        resident += t.numel() * t.element_size()
         if name.endswith("_scale"):
             nbytes += t.numel()
             continue
@@ -45,4 +48,29 @@ def model_size(cfg: K3Config) -> ModelSize:
         else:
             active += n
             nbytes += 2 * n
-    return ModelSize(total, active, experts, nbytes)
+    return ModelSize(total, active, experts, nbytes, resident)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(cfg: K3Config) -> None:
+    """Refuse to materialize weights that cannot fit in memory (the `k3` preset is 2.8T parameters), before any
+    allocation: one error line instead of an out-of-memory kill."""
+    need = model_size(cfg).resident_bytes
+    have = available_memory()
+    if have is not None and need > 0.9 * have:
+        raise ConfigError(f"{cfg.name}: its weights need {need / 2**30:,.1f} GiB in memory, more than the "
+                          f"{have / 2**30:,.1f} GiB available here (use a smaller preset or config)")

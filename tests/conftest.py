@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI runs the property tests on a fixed sequence of examples (a red CI must be reproducible); a developer's run
+# explores new examples each time.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("thorough", max_examples=800)  # pytest --hypothesis-profile thorough: 8x the examples
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
