@@ -27,6 +27,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from k3compile.errors import UserError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: no locks, the rename checks still hold
@@ -42,7 +44,7 @@ OLD_DIR = "old"
 RECORD_FILES = ("export.json", "manifest.json")  # a folder holding one of these (naming k3compile) is ours
 
 
-class ArtifactError(ValueError):
+class ArtifactError(UserError):
     """OUT cannot be written as asked (it is protected, not ours, not writable, or changed under us)."""
 
 

@@ -22,9 +22,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from k3compile.config import EXPERT_CHOICES, ConfigError, K3Config, load_config
-from k3compile.model.k3 import K3ForCausalLM, init_weights
+from k3compile.errors import UserError
+from k3compile.model.k3 import K3ForCausalLM
 from k3compile.quant.mx import E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
-from k3compile.sizing import check_fits
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 BYTE_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("U8", "F8_E8M0")}  # MXFP4 nibbles, E8M0 scale bytes
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that does not match its config, or cannot be read; the message names the tensors."""
 
 
@@ -272,7 +272,7 @@ def load_checkpoint(
     if target != stored:
         state = convert_experts(state, target, dtype)
     log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
-    return _assemble(target_cfg, state)
+    return assemble(target_cfg, state)
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
@@ -287,7 +287,7 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
             raise CheckpointError(f"{name}: {bad} E8M0 scale byte(s) 0xFF, which encode NaN")
 
 
-def _assemble(cfg: K3Config, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
+def assemble(cfg: K3Config, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
     """A model holding exactly these tensors (built on the meta device: no second copy of the weights)."""
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
@@ -379,28 +379,3 @@ def _saved_files(folder: Path) -> list[Path]:
         pass
     return [f for f in folder.iterdir()
             if (f.name in names or _SHARD.match(f.name)) and f.is_file() and not f.is_symlink()]
-
-
-def load_model(
-    source: str | Path, seed: int = 0, experts: str = "auto", progress: Callable[[int, int], None] | None = None
-) -> K3ForCausalLM:
-    """A preset name or config.json (seeded random weights) or a checkpoint folder (its weights).
-
-    `experts` means the same for both: "auto" keeps the stored format, "float" dequantizes MXFP4 experts and
-    "mxfp4" quantizes float ones; for a preset, the stored weights are the seeded draw in the preset's own format,
-    so `--experts float` gives the same model as `--experts auto`, dequantized."""
-    p = Path(source)
-    if experts not in EXPERT_CHOICES:
-        raise CheckpointError(f"experts: {experts!r} is not one of {', '.join(EXPERT_CHOICES)}")
-    if p.is_dir():
-        if (p / "model.onnx").is_file() and not any(p.glob("*.safetensors")):
-            raise CheckpointError(f"{p} is an export folder, not a checkpoint (run it with --backend onnx)")
-        return load_checkpoint(p, experts=experts, progress=progress)
-    cfg = load_config(source)
-    target = cfg.expert_format if experts == "auto" else experts
-    target_cfg = cfg.replace(expert_format=target)  # checks that the widths allow MXFP4
-    check_fits(cfg)
-    model = init_weights(K3ForCausalLM(cfg), seed=seed).eval()
-    if target == cfg.expert_format:
-        return model
-    return _assemble(target_cfg, convert_experts(model.state_dict(), target, torch.float32))

@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3compile.errors import UserError
+from k3compile.modes import Activation, ExpertFormat
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """An invalid or unreadable model configuration; the message names the field."""
 
 
-ACTIVATIONS = ("silu", "situ")
-EXPERT_FORMATS = ("float", "mxfp4")
+ACTIVATIONS = tuple(a.value for a in Activation)  # silu, situ (modes.py owns the names)
+EXPERT_FORMATS = tuple(f.value for f in ExpertFormat)  # float, mxfp4
 EXPERT_CHOICES = ("auto", *EXPERT_FORMATS)  # what a loader may be asked for: the stored format, or a conversion
 MAX_SIZE = 2**31 - 1  # every width, count and id fits an int32 (tensor dims in ONNX and the kernels)
 BOOL_FIELDS = ("tie_word_embeddings", "use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm",

@@ -1,7 +1,7 @@
 """Token generation over a step backend: left-padded batched prefill, then one token per step.
 
 A backend is anything with `step(input_ids [B, T], attention_mask [B, P+T], past) -> (logits [B, T, V], present)`
-and `init_past(batch)`; `EagerBackend` wraps the PyTorch model (the ONNX and compiled backends plug in the same way).
+and `init_past(batch)` (backends.base.Backend): the eager model, onnxruntime, and the compiled targets to come.
 Greedy by default; temperature / top-p sampling draws from a seeded generator, so runs repeat exactly.
 """
 
@@ -15,26 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from k3compile.model.k3 import K3ForCausalLM
+from k3compile.errors import UserError
 
 
-class GenerationError(ValueError):
+class GenerationError(UserError):
     """Bad generation input (token ids, options); the message says which."""
-
-
-class EagerBackend:
-    name = "eager"
-
-    def __init__(self, model: K3ForCausalLM) -> None:
-        self.model = model.eval()
-        self.config = model.config
-
-    def init_past(self, batch: int):
-        return self.model.init_past(batch)
-
-    @torch.no_grad()
-    def step(self, input_ids: Tensor, attention_mask: Tensor, past):
-        return self.model(input_ids, attention_mask, past)
 
 
 @dataclass

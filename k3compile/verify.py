@@ -1,21 +1,22 @@
-"""Parity of an exported folder against the eager model: the same inputs through both, every output compared.
+"""Parity of two step backends: the same inputs through both, every output compared (docs/architecture.md).
 
-Prefill on a left-padded batch (P = 0), then decode steps, each side fed its own previous `present`.
+`compare(reference, candidate)` runs prefill on a left-padded batch (P = 0), then decode steps, each side fed its
+own previous `present` and both continuing with the reference's greedy token; it works on any two backends (eager,
+onnxruntime, onnx.reference, compiled targets). `check_source` / `check_model` guard `k3compile verify` against
+rebuilding a model other than the exported one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from k3compile.config import K3Config, load_config
-from k3compile.export import ACTIVATIONS, DEFAULT_TOL, ExportError, GraphInterface, export_mode
 from k3compile.generate import left_pad
-from k3compile.model.k3 import K3ForCausalLM
+from k3compile.interface import ExportError, GraphInterface, flatten
 
-__all__ = ["DEFAULT_TOL", "check_source", "compare", "worst"]
+__all__ = ["check_model", "check_source", "compare", "worst"]
 
 
 def _config_diff(a: K3Config, b: K3Config, skip: tuple[str, ...]) -> str | None:
@@ -34,17 +35,17 @@ def check_source(source: str, exported: K3Config) -> None:
         raise ExportError(f"the source {source} is not the model that was exported ({diff})")
 
 
-def check_model(model: K3ForCausalLM, exported: K3Config) -> None:
-    diff = _config_diff(model.config, exported, skip=("name",))
+def check_model(config: K3Config, exported: K3Config) -> None:
+    diff = _config_diff(config, exported, skip=("name",))
     if diff:
         raise ExportError(f"the rebuilt model is not the one that was exported ({diff})")
 
 
-def _rows(phase: str, names: list[str], eager: list[torch.Tensor], other: list[torch.Tensor]) -> list[dict]:
+def _rows(phase: str, names: list[str], ref: list[torch.Tensor], other: list[torch.Tensor]) -> list[dict]:
     rows = []
-    for name, a, b in zip(names, eager, other):
+    for name, a, b in zip(names, ref, other):
         if a.shape != b.shape:
-            raise ExportError(f"{phase}: {name} has shape {list(b.shape)}, eager {list(a.shape)}")
+            raise ExportError(f"{phase}: {name} has shape {list(b.shape)}, the reference {list(a.shape)}")
         diff = (a.float() - b.float()).abs()
         scale = (a.float().abs().max().item() if a.numel() else 0.0) or 1.0
         max_abs = diff.max().item() if diff.numel() else 0.0
@@ -53,26 +54,21 @@ def _rows(phase: str, names: list[str], eager: list[torch.Tensor], other: list[t
 
 
 @torch.no_grad()
-def compare(model: K3ForCausalLM, folder: str | Path, activations: str = "none", reference: bool = False,
-            decode_steps: int = 2, prompts: list[list[int]] | None = None, threads: int | None = None) -> list[dict]:
-    from k3compile.onnx_backend import OnnxBackend
-
-    cfg = model.config
-    backend = OnnxBackend(folder, reference=reference, threads=threads)
+def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]] | None = None) -> list[dict]:
+    """Rows (phase, output, max_abs, max_rel) of `candidate` against `reference`, two step backends of one config."""
+    cfg = reference.config
     gi = GraphInterface.of(cfg)
     prompts = prompts or [[(7 * i + 3) % cfg.vocab_size for i in range(5)], [11 % cfg.vocab_size, 5, 9]]
     ids, mask = left_pad(prompts, cfg.pad_token_id or 0)
     rows: list[dict] = []
-    with export_mode(model, ACTIVATIONS[activations]):
-        past_e, past_o = model.init_past(len(prompts)), backend.init_past(len(prompts))
-        for step in range(decode_steps + 1):
-            le, past_e = model(ids, mask, past_e)
-            lo, past_o = backend.step(ids, mask, past_o)
-            flat_e = [le] + [t for s in past_e for t in s]
-            flat_o = [lo] + [t for s in past_o for t in s]
-            rows += _rows("prefill" if step == 0 else f"decode {step}", gi.outputs, flat_e, flat_o)
-            ids = le[:, -1].argmax(-1, keepdim=True)  # both sides continue with eager's greedy token
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+    past_r, past_c = reference.init_past(len(prompts)), candidate.init_past(len(prompts))
+    for step in range(decode_steps + 1):
+        lr, past_r = reference.step(ids, mask, past_r)
+        lc, past_c = candidate.step(ids, mask, past_c)
+        rows += _rows("prefill" if step == 0 else f"decode {step}", gi.outputs, [lr, *flatten(past_r)],
+                      [lc, *flatten(past_c)])
+        ids = lr[:, -1].argmax(-1, keepdim=True)  # both sides continue with the reference's greedy token
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
     return rows
 
 

@@ -8,6 +8,7 @@ serves prefill (empty past) and decode alike. Parameter names follow the Kimi-Li
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,16 @@ from k3compile.model.mla import GatedMLA
 from k3compile.model.mlp import GatedMLP
 from k3compile.model.moe import MoE
 from k3compile.model.norms import RMSNorm
+from k3compile.modes import EAGER, Forms
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What flows from one decoder stage to the next: the residual stream (with Block AttnRes, the running sum of
+    the current block) and, with Block AttnRes, the bank of closed blocks' summaries (the embedding first)."""
+
+    hidden: Tensor
+    bank: tuple[Tensor, ...] = ()
 
 
 class DecoderLayer(nn.Module):
@@ -40,14 +51,16 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = RMSNorm(d, eps)
 
-    def attention(self, x: Tensor, state, valid_new: Tensor | None, valid_all: Tensor | None):
+    def attention(self, x: Tensor, state, valid_new: Tensor | None, valid_all: Tensor | None, forms: Forms = EAGER):
         """The mixer on the normalized input. valid_new [B, T] (KDA), valid_all [B, P+T] (MLA keys)."""
         h = self.input_layernorm(x)
-        return self.self_attn(h, state, valid_all if self.is_mla else valid_new)
+        if self.is_mla:
+            return self.self_attn(h, state, valid_all, forms.mla)
+        return self.self_attn(h, state, valid_new)
 
-    def ffn(self, x: Tensor) -> Tensor:
+    def ffn(self, x: Tensor, forms: Forms = EAGER) -> Tensor:
         h = self.post_attention_layernorm(x)
-        return self.block_sparse_moe(h) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+        return self.block_sparse_moe(h, forms.act_quant) if hasattr(self, "block_sparse_moe") else self.mlp(h)
 
 
 class K3Model(nn.Module):
@@ -74,48 +87,70 @@ class K3ForCausalLM(nn.Module):
         return init_past(self.config, batch, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, past: Past | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, past: Past | None = None, forms: Forms = EAGER,
     ) -> tuple[Tensor, Past]:
+        """The whole decoder: embed -> every layer -> head. `forms` chooses how (not what) it computes."""
         cfg = self.config
         b, t = input_ids.shape
         if past is None:
             past = self.init_past(b)
         if len(past) != cfg.num_hidden_layers:
             raise ValueError(f"past has {len(past)} layer states for {cfg.num_hidden_layers} layers")
-        valid_all = valid_new = None
         if attention_mask is not None:
             want = past_length(cfg, past) + t  # exact whenever the model has an MLA layer (every family member)
             rows, cols = attention_mask.shape
             if rows != b or cols < t or (cfg.full_attn_layers and cols != want):
                 raise ValueError(f"attention_mask must be [B, past + new] = [{b}, {want}], got "
                                  f"{list(attention_mask.shape)}")
+        carry, present = self.run_layers(self.embed(input_ids), 0, cfg.num_hidden_layers, past, attention_mask, forms)
+        return self.head(carry), present
+
+    # ---- the decoder cut into stages (a pipeline stage runs embed?, layers [a, b), head?) ------------------------
+    def embed(self, input_ids: Tensor) -> Carry:
+        return Carry(self.model.embed_tokens(input_ids))
+
+    def run_layers(
+        self, carry: Carry, start: int, stop: int, past: Past, attention_mask: Tensor | None = None,
+        forms: Forms = EAGER,
+    ) -> tuple[Carry, Past]:
+        """Layers [start, stop) on `carry`, with `past` the decode state of exactly those layers; returns the new
+        carry and their `present`. Running [0, k) then [k, n) equals running [0, n) (docs/architecture.md)."""
+        cfg = self.config
+        if not 0 <= start <= stop <= cfg.num_hidden_layers or len(past) != stop - start:
+            raise ValueError(f"layers [{start}, {stop}) of {cfg.num_hidden_layers} with {len(past)} layer states")
+        valid_all = valid_new = None
+        if attention_mask is not None:
             valid_all = attention_mask.bool()
-            valid_new = valid_all[:, valid_all.shape[1] - t:]
-        h = self.model.embed_tokens(input_ids)
+            valid_new = valid_all[:, valid_all.shape[1] - carry.hidden.shape[1]:]
         present: Past = []
         layers = self.model.layers
         if not cfg.attn_res_block_size:
-            for layer, state in zip(layers, past):
-                a, st = layer.attention(h, state, valid_new, valid_all)
+            h = carry.hidden
+            for layer, state in zip(layers[start:stop], past):
+                a, st = layer.attention(h, state, valid_new, valid_all, forms)
                 present.append(st)
                 h = h + a
-                h = h + layer.ffn(h)
-        else:
-            bank: list[Tensor] = []
-            prefix: Tensor | None = h
-            for i, (layer, state) in enumerate(zip(layers, past)):
-                x = attn_res_mix(bank, prefix, layer.self_attention_res_proj, layer.self_attention_res_norm) \
-                    if bank else prefix
-                if i % cfg.attn_res_block_size == 0:  # close the block: its running sum becomes a summary
-                    bank.append(prefix)
-                    prefix = None
-                a, st = layer.attention(x, state, valid_new, valid_all)
-                present.append(st)
-                prefix = a if prefix is None else prefix + a
-                x = attn_res_mix(bank, prefix, layer.mlp_res_proj, layer.mlp_res_norm)
-                prefix = prefix + layer.ffn(x)
-            h = attn_res_mix(bank, prefix, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
-        return self.lm_head(self.model.norm(h)), present
+                h = h + layer.ffn(h, forms)
+            return Carry(h), present
+        bank, prefix = list(carry.bank), carry.hidden
+        for i, layer, state in zip(range(start, stop), layers[start:stop], past):
+            x = attn_res_mix(bank, prefix, layer.self_attention_res_proj, layer.self_attention_res_norm) \
+                if bank else prefix
+            if i % cfg.attn_res_block_size == 0:  # close the block: its running sum becomes a summary
+                bank.append(prefix)
+                prefix = None
+            a, st = layer.attention(x, state, valid_new, valid_all, forms)
+            present.append(st)
+            prefix = a if prefix is None else prefix + a
+            x = attn_res_mix(bank, prefix, layer.mlp_res_proj, layer.mlp_res_norm)
+            prefix = prefix + layer.ffn(x, forms)
+        return Carry(prefix, tuple(bank)), present
+
+    def head(self, carry: Carry) -> Tensor:
+        h = carry.hidden
+        if self.config.attn_res_block_size:
+            h = attn_res_mix(list(carry.bank), h, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
+        return self.lm_head(self.model.norm(h))
 
 
 @torch.no_grad()

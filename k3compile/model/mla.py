@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from k3compile.config import K3Config
 from k3compile.model.norms import RMSNorm
+from k3compile.modes import MLAForm
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm, as in the HF code
 
@@ -24,7 +25,6 @@ class GatedMLA(nn.Module):
         self.num_heads, self.dn, self.dr, self.dv = h, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
-        self.mode = "auto"  # "auto": absorbed for single-token decode, naive otherwise; or "naive" / "absorbed"
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_NORM_EPS)
@@ -43,9 +43,11 @@ class GatedMLA(nn.Module):
         return q.view(*x.shape[:2], self.num_heads, self.dn + self.dr)
 
     def forward(
-        self, x: Tensor, state: tuple[Tensor, Tensor], key_valid: Tensor | None = None
+        self, x: Tensor, state: tuple[Tensor, Tensor], key_valid: Tensor | None = None,
+        form: MLAForm = MLAForm.AUTO,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """x [B, T, D]; state (latent [B, P, C], k_rope [B, P, R]); key_valid [B, P+T] bool over cache + new."""
+        """x [B, T, D]; state (latent [B, P, C], k_rope [B, P, R]); key_valid [B, P+T] bool over cache + new.
+        `form`: AUTO is absorbed for one decoded token with a cache, naive otherwise (modes.MLAForm)."""
         b, t, _ = x.shape
         q = self.query(x).float()
         c_raw, k_r = self.kv_a_proj_with_mqa(x).split([self.rank, self.dr], dim=-1)
@@ -56,8 +58,9 @@ class GatedMLA(nn.Module):
         allowed = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t).unsqueeze(0)
         if key_valid is not None:
             allowed = allowed & key_valid[:, None, :].bool()
-        mode = self.mode if self.mode != "auto" else ("absorbed" if t == 1 and s > 1 else "naive")
-        attend = self._absorbed if mode == "absorbed" else self._naive
+        if form == MLAForm.AUTO:
+            form = MLAForm.ABSORBED if t == 1 and s > 1 else MLAForm.NAIVE
+        attend = self._absorbed if form == MLAForm.ABSORBED else self._naive
         o = attend(q, latent.float(), k_rope.float(), allowed.unsqueeze(1))  # [B, T, H, Dv]
         o = o.reshape(b, t, self.num_heads * self.dv)
         if hasattr(self, "g_proj"):

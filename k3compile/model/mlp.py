@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from k3compile.config import K3Config
-from k3compile.model.activations import glu
+from k3compile.ops.activations import glu
 
 
 class GatedMLP(nn.Module):

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from k3compile.config import K3Config
 from k3compile.model.mlp import GatedMLP
 from k3compile.model.norms import RMSNorm
+from k3compile.modes import ActQuant
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
 
@@ -80,7 +81,6 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
-        self.act_quant = "none"  # "e4m3"/"e5m2": MXFP8 activations in front of the expert matmuls
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size)
         if cfg.is_latent_moe:
@@ -89,20 +89,21 @@ class MoE(nn.Module):
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(cfg.latent_size, cfg.rms_norm_eps)
 
-    def routed_partial(self, x: Tensor, idx: Tensor, w: Tensor) -> Tensor:
-        """The pre-norm latent sum Σ_j w_j E_idx_j(z) [N, D_e] fp32 over all experts (one slice: all of them)."""
+    def routed_partial(self, x: Tensor, idx: Tensor, w: Tensor, act_quant: ActQuant = ActQuant.NONE) -> Tensor:
+        """The pre-norm latent sum Σ_j w_j E_idx_j(z) [N, D_e] fp32 over all experts (one slice: all of them).
+        `act_quant`: MXFP8 fake quantization of the activations in front of the expert matmuls."""
         z = self.routed_expert_down_proj(x) if self.cfg.is_latent_moe else x
         w13, w2, s13, s2 = self.experts.weights()
         return latent_moe_dispatch(
             z, idx, w, w13, w2, s13, s2, 0, self.cfg.hidden_act, self.cfg.activation_situ_beta,
-            self.cfg.activation_situ_linear_beta, self.act_quant,
+            self.cfg.activation_situ_linear_beta, ActQuant(act_quant).value,
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, act_quant: ActQuant = ActQuant.NONE) -> Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         idx, w = self.gate(xf)
-        y = self.routed_partial(xf, idx, w)
+        y = self.routed_partial(xf, idx, w, act_quant)
         if self.cfg.is_latent_moe:
             if self.cfg.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from k3compile.ops.spec import OpSpec
+
 DEFAULT_CHUNK = 64
 
 
@@ -141,3 +143,6 @@ def onnx_translation(q, k, v, g, beta, initial_state=None, chunk_size=DEFAULT_CH
 
     return getattr(Opset("k3", 1), ONNX_NAME)(q, k, v, g, beta, initial_state, num_heads=int(q.shape[2]),
                                                _outputs=2)
+
+
+SPEC = OpSpec("k3::kda_recurrence", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation)

@@ -18,8 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from k3compile.model.activations import glu
+from k3compile.ops import mxfp4_matmul
+from k3compile.ops.activations import glu
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul_eager, quantize_activation
+from k3compile.ops.spec import OpSpec
 
 
 def _expert_linear(x: Tensor, w: Tensor, scale: Optional[Tensor], act_quant: str) -> Tensor:
@@ -113,8 +115,8 @@ def onnx_function(opset: int, mxfp4: bool):
     import numpy as np
     from onnx import AttributeProto, helper
 
-    from k3compile.ops import mxfp4_matmul  # the module (its ONNX name)
-    from k3compile.ops.onnx_body import DOMAIN, Body, matmul_transposed, maybe_fake_quant
+    from k3compile.ops.mx_onnx import maybe_fake_quant
+    from k3compile.ops.onnx_body import DOMAIN, Body, matmul_transposed
 
     b = Body()
 
@@ -155,3 +157,11 @@ def onnx_translation(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None
     if w13_scale is not None:
         return getattr(k3, ONNX_NAME_MXFP4)(z, topk_idx, topk_w, w13, w2, w13_scale, w2_scale, **attrs)
     return getattr(k3, ONNX_NAME)(z, topk_idx, topk_w, w13, w2, **attrs)
+
+
+SPEC = OpSpec(
+    "k3::latent_moe_dispatch", onnx_schemas,
+    {ONNX_NAME: lambda opset: onnx_function(opset, mxfp4=False),
+     ONNX_NAME_MXFP4: lambda opset: onnx_function(opset, mxfp4=True)},
+    onnx_translation, calls={ONNX_NAME_MXFP4: (mxfp4_matmul.ONNX_NAME,)},
+)

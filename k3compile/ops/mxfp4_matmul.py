@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.ops.spec import OpSpec
 from k3compile.quant.mx import dequantize_mxfp4, fake_quant_mx
 
 ACT_QUANT = ("none", "e4m3", "e5m2")
@@ -52,8 +53,8 @@ def onnx_schema():
 
 
 def onnx_function(opset: int):
-    from k3compile.ops.onnx_body import Body, matmul_transposed, maybe_fake_quant
-    from k3compile.quant.mx_onnx import dequant_mxfp4
+    from k3compile.ops.mx_onnx import dequant_mxfp4, maybe_fake_quant
+    from k3compile.ops.onnx_body import Body, matmul_transposed
 
     b = Body()
     w = dequant_mxfp4(b, "w_packed", "w_scale")
@@ -67,3 +68,6 @@ def onnx_translation(x, w_packed, w_scale, act_quant="none"):
     from k3compile.ops.onnx_body import ACT_QUANT_CODES
 
     return getattr(Opset("k3", 1), ONNX_NAME)(x, w_packed, w_scale, act_quant=ACT_QUANT_CODES[act_quant])
+
+
+SPEC = OpSpec("k3::mxfp4_matmul", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation)

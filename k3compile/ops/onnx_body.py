@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
+from k3compile.modes import Activation, ActQuant
+
 DOMAIN = "k3"
 VERSION = 1
 ATTR_TYPES = {int: AttributeProto.INT, float: AttributeProto.FLOAT}
@@ -93,24 +95,12 @@ def register(s: onnx.defs.OpSchema) -> None:
 
 
 NAN = float("nan")
-ACT_QUANT_CODES = {"none": 0, "e4m3": 1, "e5m2": 2}
-ACTIVATION_CODES = {"silu": 0, "situ": 1}
+# Integer attribute codes of the mode names (modes.py owns the names; ONNX attributes carry the codes).
+ACT_QUANT_CODES = {q.value: i for i, q in enumerate(ActQuant)}  # none 0, e4m3 1, e5m2 2
+ACTIVATION_CODES = {a.value: i for i, a in enumerate(Activation)}  # silu 0, situ 1
 
 
 def matmul_transposed(b: Body, x: str, w: str) -> str:
     """x [..., M, K] @ w[..., N, K]^T -> [..., M, N], leading dims broadcast numpy-style (any ranks): MatMul with w's
     last two dims swapped (a one-input Einsum, valid for any rank of w)."""
     return b.op("MatMul", x, b.op("Einsum", w, equation="...nk->...kn"))
-
-
-def maybe_fake_quant(b: Body, x: str) -> str:
-    """MXFP8 fake quantization of x chosen by the calling node's `act_quant` attribute (0 none, 1 e4m3, 2 e5m2)."""
-    from k3compile.quant.mx_onnx import fake_quant
-
-    aq = b.attr("act_quant", int)
-    return select(
-        b, b.op("Equal", aq, b.const(0, np.int64)), lambda s: x,
-        lambda s: select(s, s.op("Equal", aq, s.const(1, np.int64)), lambda t: fake_quant(t, x, "e4m3"),
-                         lambda t: fake_quant(t, x, "e5m2"), "e5m2"),
-        "actq",
-    )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3compile.checkpoint import load_model
-from k3compile.export import export
+from k3compile.pipeline import export_checked as export
+from k3compile.source import load_model
 
 
 @pytest.fixture(scope="session")

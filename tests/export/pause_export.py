@@ -13,8 +13,8 @@ import time
 
 import onnx
 
-import k3compile.checkpoint as checkpoint
 import k3compile.export as export_mod
+import k3compile.source as source
 import k3compile.verify as verify
 from k3compile.cli import main
 
@@ -27,7 +27,7 @@ def pause(point: str) -> None:
 
 TRACED, POINT, ARGS = sys.argv[1], sys.argv[2], sys.argv[3:]
 graph = onnx.load(TRACED)
-real_load, real_save, real_compare = checkpoint.load_model, onnx.save_model, verify.compare
+real_load, real_save, real_compare = source.load_model, onnx.save_model, verify.compare
 
 
 def load_model(*a, **k):
@@ -50,6 +50,6 @@ def compare(*a, **k):
     return real_compare(*a, **k)
 
 
-checkpoint.load_model, export_mod.trace_to_onnx, onnx.save_model, verify.compare = (
+source.load_model, export_mod.trace_to_onnx, onnx.save_model, verify.compare = (
     load_model, trace_to_onnx, save_model, compare)
 main(["export", *ARGS], prog_name="k3compile")

@@ -7,14 +7,22 @@ import numpy as np
 import onnx
 import torch
 
-from k3compile.export import ACTIVATIONS, GraphInterface, export_mode
-from k3compile.generate import EagerBackend, generate
-from k3compile.onnx_backend import OnnxBackend
+from k3compile.backends.eager import EagerBackend
+from k3compile.backends.onnx import OnnxBackend
+from k3compile.generate import generate
+from k3compile.interface import GraphInterface
+from k3compile.modes import ACT_QUANT_FLAGS, Forms
 from k3compile.verify import compare
 
 # fp32 on both sides; the issue's bound. Observed ~1e-6 (ORT's LinearAttention and the dense MoE body sum in other
 # orders than the eager chunked recurrence and sparse dispatch).
 ATOL = 1e-4
+
+
+def parity(model, folder, reference=False, activations="none", **kw):
+    """onnxruntime (or onnx.reference) on the folder against eager in the exported forms."""
+    eager = EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[activations]))
+    return compare(eager, OnnxBackend(folder, reference=reference), **kw)
 
 
 def _load(folder):
@@ -93,22 +101,21 @@ def _assert_parity(rows):
 def test_onnxruntime_equals_eager_prefill_and_decode(tiny_export):
     model, folder, doc = tiny_export
     _assert_parity(doc["parity"])  # recorded at export time
-    _assert_parity(compare(model, folder, decode_steps=3,
-                           prompts=[[5, 17, 200, 3, 9, 9, 41], [1, 2], [250, 251, 252, 253]]))
+    _assert_parity(parity(model, folder, decode_steps=3,
+                          prompts=[[5, 17, 200, 3, 9, 9, 41], [1, 2], [250, 251, 252, 253]]))
     # a prompt longer than two KDA chunks (64), next to a one-token prompt padded by 136
-    _assert_parity(compare(model, folder, decode_steps=2, prompts=[[(3 * i) % 256 for i in range(137)], [7]]))
+    _assert_parity(parity(model, folder, decode_steps=2, prompts=[[(3 * i) % 256 for i in range(137)], [7]]))
 
 
 def test_onnx_reference_equals_eager(tiny_export):
     model, folder, _ = tiny_export
-    _assert_parity(compare(model, folder, reference=True, decode_steps=2, prompts=[[3, 1, 4], [1, 5]]))
+    _assert_parity(parity(model, folder, reference=True, decode_steps=2, prompts=[[3, 1, 4], [1, 5]]))
 
 
 def test_32_greedy_tokens_identical_left_padded_batch(tiny_export):
     model, folder, _ = tiny_export
     prompts = [[5, 17, 200, 3, 9, 9, 41], [1, 2], [250, 251, 252, 253]]
-    with export_mode(model, "none"):  # the exported forms (absorbed MLA) on the eager side too
-        eager = generate(EagerBackend(model), prompts, 32)
+    eager = generate(EagerBackend(model, Forms.exported()), prompts, 32)  # the exported forms (absorbed MLA) too
     ort = generate(OnnxBackend(folder), prompts, 32)
     assert eager.tokens == ort.tokens
     assert all(len(t) == 32 for t in ort.tokens)
@@ -121,15 +128,13 @@ def test_mxfp8_activations(tiny_mxfp8_export):
     assert doc["activations"] == "mxfp8"
     _assert_parity(doc["parity"])
     prompts = [[9, 8, 7, 6], [3]]
-    with export_mode(model, ACTIVATIONS["mxfp8"]):
-        quantized = generate(EagerBackend(model), prompts, 32)
+    quantized = generate(EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS["mxfp8"])), prompts, 32)
     assert generate(OnnxBackend(folder), prompts, 32).tokens == quantized.tokens
     # the quantization is really there: the logits move (by a few percent, not more)
     ids = torch.tensor([[9, 8, 7, 6]])
     with torch.no_grad():
         plain = model(ids)[0]
-        with export_mode(model, ACTIVATIONS["mxfp8"]):
-            q = model(ids)[0]
+        q = model(ids, forms=Forms.exported(ACT_QUANT_FLAGS["mxfp8"]))[0]
     rel = ((q - plain).norm() / plain.norm()).item()
     assert 1e-4 < rel < 0.1
     m = _load(folder)

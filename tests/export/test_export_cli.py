@@ -100,6 +100,7 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch, tiny_export):
 
     import k3compile.export as export_mod
     import k3compile.verify as verify
+    from k3compile.pipeline import export_checked
 
     model, folder, _ = tiny_export
     traced = onnx.load(str(folder / "model.onnx"))
@@ -110,7 +111,7 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch, tiny_export):
 
     monkeypatch.setattr(verify, "compare", boom)
     with pytest.raises(RuntimeError, match="simulated"):
-        export_mod.export(model, tmp_path / "out")
+        export_checked(model, tmp_path / "out")
     _no_leftovers(tmp_path, "out")
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 from builders import build_hf
 
+from k3compile.backends.eager import EagerBackend
+from k3compile.backends.onnx import OnnxBackend
 from k3compile.checkpoint import load_checkpoint
-from k3compile.export import export
-from k3compile.generate import EagerBackend, generate
-from k3compile.onnx_backend import OnnxBackend
+from k3compile.generate import generate
+from k3compile.modes import Forms
+from k3compile.pipeline import export_checked
 from k3compile.verify import compare
 
 ATOL = 1e-4  # fp32, summation order only (see test_export.py)
@@ -22,9 +24,10 @@ ATOL = 1e-4  # fp32, summation order only (see test_export.py)
 def test_kimi_linear_export_matches_eager(tmp_path, name, kw):
     build_hf(tmp_path / "ckpt", **kw)
     model = load_checkpoint(tmp_path / "ckpt")
-    doc = export(model, tmp_path / "out", source={"source": str(tmp_path / "ckpt")})
+    doc = export_checked(model, tmp_path / "out", source={"source": str(tmp_path / "ckpt")})
     assert doc["k3_nodes"] == {"KDARecurrence": 4, "LatentMoEDispatch": 4}  # float experts: the float body
-    rows = compare(model, tmp_path / "out", decode_steps=3, prompts=[[5, 6, 7, 8, 9], [40], [90, 91, 92]])
+    rows = compare(EagerBackend(model, Forms.exported()), OnnxBackend(tmp_path / "out"), decode_steps=3,
+                   prompts=[[5, 6, 7, 8, 9], [40], [90, 91, 92]])
     assert max(r["max_abs"] for r in rows) <= ATOL
     prompts = [[5, 6, 7, 8, 9], [40], [90, 91, 92]]
     assert generate(OnnxBackend(tmp_path / "out"), prompts, 32).tokens == \

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import k3compile.export as export_mod
 from k3compile.artifact import WORK_PREFIX, ArtifactError, ArtifactWriter, sweep
 from k3compile.checkpoint import SINGLE, save_checkpoint
+from k3compile.interface import ExportError, dump_json
 
 HERE = Path(__file__).parent
 
@@ -123,8 +124,8 @@ def test_parity_past_tolerance_or_nan_fails_and_writes_nothing(tmp_path, fast_tr
 
 
 def test_json_records_are_strict():
-    with pytest.raises(export_mod.ExportError, match="non-finite"):
-        export_mod.dump_json({"x": float("nan")})
+    with pytest.raises(ExportError, match="non-finite"):
+        dump_json({"x": float("nan")})
 
 
 def test_full_disk_is_one_line(tmp_path, fast_trace, monkeypatch):

@@ -12,8 +12,8 @@ import torch
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from k3compile.export import function_bodies, register_schemas
 from k3compile.model.kda import l2_normalize
+from k3compile.ops import function_bodies, register_schemas
 from k3compile.ops.kda_recurrence import kda_recurrence
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul

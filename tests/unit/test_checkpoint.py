@@ -9,8 +9,9 @@ import torch
 from builders import tiny_model
 from safetensors.torch import load_file, save_file
 
-from k3compile.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from k3compile.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from k3compile.quant.mx import dequantize_mxfp4
+from k3compile.source import load_model
 
 
 @torch.no_grad()

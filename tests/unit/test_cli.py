@@ -10,9 +10,10 @@ import pytest
 from builders import tiny_model
 from click.testing import CliRunner
 
+from k3compile.backends.eager import EagerBackend
 from k3compile.checkpoint import save_checkpoint
 from k3compile.cli import main
-from k3compile.generate import EagerBackend, generate
+from k3compile.generate import generate
 
 
 def run(*args):
@@ -39,7 +40,7 @@ def test_generate_matches_library_and_is_deterministic():
     r = run("generate", "--prompt-ids", "1,2,3", "--prompt-ids", "7,8", "--max-new-tokens", "5", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
-    from k3compile.checkpoint import load_model
+    from k3compile.source import load_model
 
     want = generate(EagerBackend(load_model("k3-tiny")), [[1, 2, 3], [7, 8]], 5)
     assert doc["tokens"] == want.tokens and doc["source"] == "k3-tiny"

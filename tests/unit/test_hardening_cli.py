@@ -12,9 +12,10 @@ from hardening import examples, ok_or_one_line_error, one_line_error, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3compile.checkpoint import load_model
+from k3compile.backends.eager import EagerBackend
 from k3compile.config import preset
-from k3compile.generate import EagerBackend, GenerationError, generate, pick_next
+from k3compile.generate import GenerationError, generate, pick_next
+from k3compile.source import load_model
 from k3compile.threads import available_cores, default_threads
 
 
@@ -147,7 +148,7 @@ def test_threads_option_sets_torch_threads():
 def test_progress_bar_is_drawn_on_stderr(monkeypatch):
     import sys
 
-    from k3compile import cli
+    from k3compile.cli import common
 
     class Tty:
         def isatty(self):
@@ -160,7 +161,7 @@ def test_progress_bar_is_drawn_on_stderr(monkeypatch):
             pass
 
     monkeypatch.setattr(sys, "stderr", Tty())
-    bar, cb = cli._progress("x", quiet=False)
+    bar, cb = common.progress("x", quiet=False)
     assert bar is not None and bar.console.stderr
 
 

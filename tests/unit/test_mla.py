@@ -7,6 +7,7 @@ import torch
 
 from k3compile.config import preset
 from k3compile.model.mla import GatedMLA
+from k3compile.modes import MLAForm
 
 # fp32, same math reassociated (W_UK folded into q, W_UV applied after the sum): ~1e-7 observed.
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -24,12 +25,10 @@ def test_absorbed_equals_naive(q_lora, gate):
     empty = (torch.zeros(2, 0, cfg.kv_lora_rank), torch.zeros(2, 0, cfg.qk_rope_head_dim))
     valid = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
-        layer.mode = "naive"
-        naive, (lat, kr) = layer(x[:, :5], empty, valid[:, :5])
-        naive_step, _ = layer(x[:, 5:], (lat, kr), valid)
-        layer.mode = "absorbed"
-        absorbed, (lat2, kr2) = layer(x[:, :5], empty, valid[:, :5])
-        absorbed_step, _ = layer(x[:, 5:], (lat, kr), valid)
+        naive, (lat, kr) = layer(x[:, :5], empty, valid[:, :5], MLAForm.NAIVE)
+        naive_step, _ = layer(x[:, 5:], (lat, kr), valid, MLAForm.NAIVE)
+        absorbed, (lat2, kr2) = layer(x[:, :5], empty, valid[:, :5], MLAForm.ABSORBED)
+        absorbed_step, _ = layer(x[:, 5:], (lat, kr), valid, MLAForm.ABSORBED)
     # padded query rows of the second sequence carry garbage by design; compare real rows only
     torch.testing.assert_close(absorbed[0], naive[0], **TOL)
     torch.testing.assert_close(absorbed[1, 2:], naive[1, 2:], **TOL)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from builders import tiny_model
 
-from k3compile.generate import EagerBackend, generate
+from k3compile.backends.eager import EagerBackend
+from k3compile.generate import generate
 
 # fp32; chunked prefill vs token-by-token recurrence and absorbed vs naive MLA reassociate sums: ~1e-6 observed.
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from k3compile.ops.onnx_body import NAN, Body
+from k3compile.ops.onnx_body import NAN, Body, select
 from k3compile.quant.mx import BLOCK, FP4_VALUES, element_format
 
 
@@ -66,3 +66,14 @@ def fake_quant(b: Body, x: str, fmt_name: str) -> str:
     q = b.op("Min", b.op("Mul", b.op("Round", b.op("Div", a, ulp)), ulp), b.const(fmt.max_normal))
     q = b.op("Mul", q, b.op("Sign", y))
     return b.op("Reshape", b.op("Mul", q, scale), shape)
+
+
+def maybe_fake_quant(b: Body, x: str) -> str:
+    """MXFP8 fake quantization of x chosen by the calling node's `act_quant` attribute (0 none, 1 e4m3, 2 e5m2)."""
+    aq = b.attr("act_quant", int)
+    return select(
+        b, b.op("Equal", aq, b.const(0, np.int64)), lambda s: x,
+        lambda s: select(s, s.op("Equal", aq, s.const(1, np.int64)), lambda t: fake_quant(t, x, "e4m3"),
+                         lambda t: fake_quant(t, x, "e5m2"), "e5m2"),
+        "actq",
+    )

@@ -13,8 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.export import MODEL_FILE, ExportError, GraphInterface, check_graph, open_export, register_schemas
-from k3compile.model.cache import init_past
+from k3compile.interface import (
+    MODEL_FILE,
+    ExportError,
+    GraphInterface,
+    Past,
+    check_graph,
+    flatten,
+    init_past,
+    open_export,
+    unflatten,
+)
 from k3compile.threads import default_threads
 
 
@@ -31,6 +40,8 @@ class OnnxBackend:
         if reference:
             import onnx
             from onnx.reference import ReferenceEvaluator
+
+            from k3compile.ops import register_schemas
 
             register_schemas()
             try:
@@ -56,16 +67,14 @@ class OnnxBackend:
                 raise ExportError(f"{path}: onnxruntime cannot load it ({str(e).splitlines()[0][:200]})") from None
             self._run = lambda feeds: sess.run(None, feeds)
 
-    def init_past(self, batch: int):
+    def init_past(self, batch: int) -> Past:
         return init_past(self.config, batch)
 
     @torch.no_grad()
-    def step(self, input_ids, attention_mask, past):
+    def step(self, input_ids, attention_mask, past: Past):
         feeds = {"input_ids": np.asarray(input_ids, dtype=np.int64),
                  "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
-        flat = [t for state in past for t in state]
-        for name, t in zip(self.interface.inputs[2:], flat):
+        for name, t in zip(self.interface.past_inputs, flatten(past)):
             feeds[name] = t.detach().cpu().numpy().astype(np.float32, copy=False)
         outs = [torch.from_numpy(np.asarray(o)) for o in self._run(feeds)]
-        present = [(outs[1 + 2 * i], outs[2 + 2 * i]) for i in range(self.config.num_hidden_layers)]
-        return outs[0], present
+        return outs[0], unflatten(outs[1:])

@@ -1,0 +1,33 @@
+"""The `k3compile` command line: a thin click layer, one module per verb (presets, generate, export, verify).
+
+Each command parses, calls one library function, prints. Errors the user can fix (errors.UserError) print one line
+and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files removed) with one line and exit 143; progress
+goes to stderr on a terminal; `--json` prints strict JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from k3compile import __version__
+from k3compile.cli import export, generate, presets, verify
+from k3compile.cli.common import Group
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="k3compile")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """k3compile: deploy Kimi K3 (and the Kimi-Linear family) to non-CUDA accelerators.
+
+    SOURCE arguments take a preset name (see `k3compile presets`), an HF config.json (seeded random weights)
+    or a checkpoint folder (config.json + safetensors).
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+
+
+for _verb in (presets, generate, export, verify):
+    main.add_command(_verb.command)

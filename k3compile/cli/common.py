@@ -1,0 +1,113 @@
+"""What every verb of the command line shares: the error and SIGTERM handling, option types, strict JSON output
+and progress on stderr (docs/architecture.md, "Errors")."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from contextlib import contextmanager
+
+import click
+
+from k3compile.artifact import Terminated, sigterm_raises
+from k3compile.errors import UserError
+from k3compile.export import DEFAULT_TOL
+
+__all__ = ["DEFAULT_TOL", "SEED", "THREADS_HELP", "FiniteFloat", "dumps", "parse_ids", "progress", "status",
+           "user_errors"]
+
+SEED = click.IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+EXIT_SIGTERM = 128 + 15
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click's comparisons let nan through every bound)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
+class Group(click.Group):
+    """Every command runs with SIGTERM raising Terminated, so that cleanup runs as on Ctrl-C."""
+
+    def invoke(self, ctx):
+        try:
+            with sigterm_raises():
+                return super().invoke(ctx)
+        except Terminated:
+            click.echo("Error: terminated by SIGTERM (temporary files removed)", err=True)
+            ctx.exit(EXIT_SIGTERM)
+
+
+def dumps(doc, indent: int | None = None) -> str:
+    """Strict JSON: a NaN or Infinity in a result is a bug to report, never bare `NaN` on stdout."""
+    try:
+        return json.dumps(doc, indent=indent, allow_nan=False)
+    except ValueError as e:
+        raise click.ClickException(f"a result holds a non-finite number ({e})") from None
+
+
+@contextmanager
+def user_errors():
+    """Turn the library's input errors (errors.UserError) into one-line messages and exit status 1."""
+    try:
+        yield
+    except UserError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def progress(label: str, quiet: bool):
+    """A callback(done, total) drawing a rich progress bar on a terminal; silent otherwise."""
+    if quiet or not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import Progress
+
+    bar = Progress(console=Console(stderr=True), transient=True)  # never on stdout, which may carry --json
+    task = bar.add_task(label, total=None)
+
+    def cb(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    return bar, cb
+
+
+@contextmanager
+def status(text: str, quiet: bool):
+    """A spinner on a terminal for work without a known length; yields a callback(text) that updates it."""
+    if quiet or not sys.stderr.isatty():
+        yield lambda msg: None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text) as status:
+        yield lambda msg: status.update(msg)
+
+
+
+
+_IDS = re.compile(r"\s*[0-9]+(\s*,\s*[0-9]+)*\s*")  # ASCII digits only: int() would also take "1_0" and "١"
+
+
+def parse_ids(text: str) -> list[int]:
+    if not _IDS.fullmatch(text):
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers such as 1,2,3",
+                                 param_hint="--prompt-ids")
+    return [int(t) for t in text.split(",")]
+
+
+THREADS_HELP = "CPU threads for torch and onnxruntime [default: 1 below hidden size 512, else every core]."
+
+
+def table_console():
+    """A rich Console for tables on stdout: 120 columns when piped."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 120)

@@ -1,0 +1,67 @@
+"""`k3compile export`: trace a source to ONNX with k3 ops, gated on parity."""
+
+from __future__ import annotations
+
+import click
+
+from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, dumps, status, user_errors
+from k3compile.config import DEFAULT_PRESET
+
+
+@click.command("export")
+@click.argument("source", default=DEFAULT_PRESET)
+@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Output folder (created; written through a temporary folder renamed at the end).")
+@click.option("--weights", type=click.Choice(["auto", "mxfp4", "float"]), default="auto", show_default=True,
+              help="Routed-expert weights in the file: as SOURCE stores them, packed MXFP4, or float.")
+@click.option("--activations", type=click.Choice(["none", "mxfp8", "mxfp8-e5m2"]), default="none",
+              show_default=True, help="MXFP8 (E4M3, or E5M2) activation quantization in front of the expert matmuls.")
+@click.option("--opset", default=27, show_default=True, type=int, help="Default-domain ONNX opset (>= 27).")
+@click.option("--weight-seed", "weight_seed", default=None, type=SEED,
+              help="Seed of the random weights when SOURCE is a preset or a config.json [default: 0].")
+@click.option("--seed", "seed_alias", default=None, type=SEED, hidden=True, help="Old name of --weight-seed.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is an earlier k3compile export (never any other folder).")
+@click.option("--tolerance", default=DEFAULT_TOL, show_default=True, type=FiniteFloat(min=0.0),
+              help="Largest max-abs difference of the parity run (fp32); past it the export fails.")
+@click.option("--no-verify", "no_verify", is_flag=True, help="Skip the onnxruntime-vs-eager parity check.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print export.json on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,
+            threads, as_json, quiet):
+    """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
+
+    The graph serves prefill and decode (dynamic batch, new tokens and past length). OUT is written through a
+    temporary folder renamed into place once the parity check passed. Compilation to accelerator targets
+    (--target, --mesh) extends this command in later releases.
+    """
+    from k3compile import source as sources
+    from k3compile.export import check_options, source_paths
+    from k3compile.pipeline import export_checked
+    from k3compile.threads import default_threads, use_threads
+    from k3compile.verify import worst
+
+    if weight_seed is not None and seed_alias is not None and weight_seed != seed_alias:
+        raise click.UsageError("--seed is the old name of --weight-seed; give one of them")
+    seed = weight_seed if weight_seed is not None else (seed_alias or 0)
+    record = sources.record(source, seed, weights)
+    with user_errors():
+        check_options(out, opset, activations, overwrite, source_paths(record))
+        with status(f"loading {source}", quiet) as step:
+            model = sources.load_model(source, seed=seed, experts=weights)
+            use_threads(threads or default_threads(model.config))
+            doc = export_checked(model, out, opset=opset, activations=activations, overwrite=overwrite,
+                                 verify_parity=not no_verify, tolerance=tolerance, threads=threads, source=record,
+                                 progress=step)
+    if as_json:
+        click.echo(dumps(doc, indent=2))
+        return
+    if quiet:
+        return
+    nodes = ", ".join(f"{v} {k}" for k, v in doc["k3_nodes"].items())
+    mib = doc["file_bytes"] / 2**20
+    click.echo(f"wrote {out}: opset {doc['opset']}, k3 nodes: {nodes}; {mib:.1f} MiB in {doc['export_s']:.1f} s")
+    if "parity" in doc:
+        w = worst(doc["parity"])
+        click.echo(f"onnxruntime vs eager: max |Δ| {w['max_abs']:.2e} ({w['output']}, {w['phase']})")

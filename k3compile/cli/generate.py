@@ -1,0 +1,73 @@
+"""`k3compile generate`: tokens from an eager model or an export folder."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import click
+
+from k3compile.cli.common import SEED, THREADS_HELP, FiniteFloat, dumps, parse_ids, progress, status, user_errors
+from k3compile.config import DEFAULT_PRESET
+
+
+@click.command("generate")
+@click.argument("source", default=DEFAULT_PRESET)
+@click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
+              help="Comma-separated token ids; repeat the option for a left-padded batch.")
+@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
+@click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference"]), default="eager", show_default=True,
+              help="eager: the PyTorch model; onnx: onnxruntime on an export folder (SOURCE = `k3compile export`'s "
+                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs).")
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
+              help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
+@click.option("--weight-seed", default=0, show_default=True, type=SEED,
+              help="Seed of the random weights when SOURCE is a preset or a config.json (eager backend).")
+@click.option("--experts", type=click.Choice(["auto", "float", "mxfp4"]), default="auto", show_default=True,
+              help="Routed-expert weights (eager backend): as stored, dequantized to float, or quantized to MXFP4.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+@click.pass_context
+def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p, seed, weight_seed, experts, threads,
+            as_json, quiet):
+    """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights)."""
+    from k3compile.generate import generate as run
+    from k3compile.threads import default_threads, use_threads
+
+    prompts = [parse_ids(p) for p in prompt_ids]
+    if backend != "eager":
+        for name in ("experts", "weight_seed"):
+            if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"--{name.replace('_', '-')} applies to the eager backend only: an export "
+                                       "folder runs the weights it was exported with")
+    with user_errors():
+        with status(f"loading {source}", quiet):
+            if backend == "eager":
+                from k3compile.backends.eager import EagerBackend
+                from k3compile.source import load_model
+
+                engine = EagerBackend(load_model(source, seed=weight_seed, experts=experts))
+            else:
+                from k3compile.backends.onnx import OnnxBackend
+
+                engine = OnnxBackend(source, reference=backend == "onnx-reference", threads=threads)
+        use_threads(threads or default_threads(engine.config))
+        bar, cb = progress("generating", quiet)
+        with bar or nullcontext():
+            result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                         seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
+    doc = {
+        "source": source, "backend": backend, "prompts": prompts, "tokens": result.tokens,
+        "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps else None,
+    }
+    if as_json:
+        click.echo(dumps(doc))
+        return
+    for p, toks in zip(prompts, result.tokens):
+        click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    if not quiet:
+        rate = f", decode {doc['decode_tokens_per_s']} tok/s" if result.decode_steps else ""
+        click.echo(f"[{backend}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)

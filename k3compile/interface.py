@@ -1,0 +1,221 @@
+"""The graph I/O contract, owned here once (docs/architecture.md, "The graph interface").
+
+Every executable k3compile makes (the ONNX export; the compiled artifacts to come) has the same interface:
+inputs `input_ids [B, T]`, `attention_mask [B, P+T]` and per layer i `past.{i}.conv_state [B, 3·H·K, W−1]` +
+`past.{i}.recurrent_state [B, H, K, V]` (KDA) or `past.{i}.latent [B, P, kv_lora_rank]` + `past.{i}.k_rope [B, P,
+qk_rope_head_dim]` (MLA); outputs `logits [B, T, V]` and the matching `present.{i}.*`. The decode state is one
+(first, second) pair per layer; flat, it is the pairs in layer order (`flatten` / `unflatten`).
+
+This module also owns the artifact file names and the export record (export.json): writing it strictly, reading it
+with every field checked, and checking a folder's config.json and model.onnx against it. It imports the config and
+torch, never the model code or the exporter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from k3compile.config import EXPERT_CHOICES, K3Config, load_config
+from k3compile.errors import UserError
+from k3compile.modes import ACT_QUANT_FLAGS
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+CONFIG_FILE = "config.json"
+EXPORT_JSON = "export.json"
+
+KDA_STATE_NAMES = ("conv_state", "recurrent_state")
+MLA_STATE_NAMES = ("latent", "k_rope")
+
+Past = list[tuple[Tensor, Tensor]]
+
+
+class ExportError(UserError):
+    """An export folder or option that cannot be used as asked; the message says why."""
+
+
+# ---- the decode state ----------------------------------------------------------------------------------------------
+
+def state_names(cfg: K3Config, layer: int) -> tuple[str, str]:
+    return MLA_STATE_NAMES if cfg.is_mla(layer) else KDA_STATE_NAMES
+
+
+def init_past(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32, device=None) -> Past:
+    """Empty decode state: zero KDA states (the recurrent state always fp32) and zero-length MLA caches."""
+    past: Past = []
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_mla(i):
+            past.append((
+                torch.zeros(batch, 0, cfg.kv_lora_rank, dtype=dtype, device=device),
+                torch.zeros(batch, 0, cfg.qk_rope_head_dim, dtype=dtype, device=device),
+            ))
+        else:
+            past.append((
+                torch.zeros(batch, 3 * hk, cfg.conv_kernel_size - 1, dtype=dtype, device=device),
+                torch.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, dtype=torch.float32,
+                            device=device),
+            ))
+    return past
+
+
+def past_length(cfg: K3Config, past: Past) -> int:
+    """Tokens already seen (the MLA cache length); 0 for a model with no MLA layer."""
+    for i, (a, _) in enumerate(past):
+        if cfg.is_mla(i):
+            return a.shape[1]
+    return 0
+
+
+def flatten(past) -> list:
+    """Per-layer pairs -> the flat list the graph takes: layer 0's two tensors, then layer 1's, ..."""
+    return [t for state in past for t in state]
+
+
+def unflatten(flat) -> list:
+    """The inverse of `flatten`."""
+    if len(flat) % 2:
+        raise ValueError(f"a flat decode state has two tensors per layer, got {len(flat)}")
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(flat) // 2)]
+
+
+@dataclass(frozen=True)
+class GraphInterface:
+    """Names of the graph's inputs and outputs for one config."""
+
+    inputs: list[str]
+    outputs: list[str]
+
+    @classmethod
+    def of(cls, cfg: K3Config) -> GraphInterface:
+        past = [f"past.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in state_names(cfg, i)]
+        present = [p.replace("past.", "present.", 1) for p in past]
+        return cls(["input_ids", "attention_mask", *past], ["logits", *present])
+
+    @property
+    def past_inputs(self) -> list[str]:
+        return self.inputs[2:]
+
+    def as_record(self) -> dict:
+        return {"inputs": self.inputs, "outputs": self.outputs}
+
+
+# ---- the export record -----------------------------------------------------------------------------------------------
+
+def dump_json(doc) -> str:
+    """Strict JSON (no bare NaN / Infinity, which JSON does not have): a non-finite number is an error here."""
+    try:
+        return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise ExportError(f"non-finite number in a JSON record ({e})") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_record(folder: Path, doc: dict) -> None:
+    (Path(folder) / EXPORT_JSON).write_text(dump_json(doc))
+
+
+def _record_error(folder: Path, what: str) -> ExportError:
+    return ExportError(f"{folder / EXPORT_JSON}: {what} (the record is damaged or was edited; export again)")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _choice(value, choices) -> bool:
+    return isinstance(value, str) and value in choices
+
+
+def read_record(folder: str | Path) -> dict:
+    """The export record, checked field by field before anything acts on it (verify rebuilds a model from it)."""
+    folder = Path(folder)
+    try:
+        doc = json.loads((folder / EXPORT_JSON).read_text(), parse_constant=_no_constant)
+    except FileNotFoundError:
+        raise ExportError(f"{folder}: not an export folder (no {EXPORT_JSON}; run `k3compile export` first)") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ExportError(f"{folder / EXPORT_JSON}: unreadable ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("k3compile"), str):
+        raise _record_error(folder, "not a k3compile export record")
+    iface = doc.get("interface")
+    if not (isinstance(iface, dict) and set(iface) == {"inputs", "outputs"}
+            and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in iface.values())):
+        raise _record_error(folder, "interface: expected lists of input and output names")
+    if not _choice(doc.get("activations", "none"), ACT_QUANT_FLAGS):
+        raise _record_error(folder, f"activations: {doc.get('activations')!r} is not one of "
+                                    f"{', '.join(ACT_QUANT_FLAGS)}")
+    sha = doc.get("config_sha256")
+    if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise _record_error(folder, "config_sha256: not a sha256 digest")
+    src = doc.get("source", {})
+    if not isinstance(src, dict):
+        raise _record_error(folder, "source: expected an object")
+    if "source" in src and not (isinstance(src["source"], str) and src["source"]):
+        raise _record_error(folder, f"source.source: expected a preset name or a path, got {src['source']!r}")
+    seed = src.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise _record_error(folder, f"source.seed: expected an integer in 0..2^64-1, got {seed!r}")
+    if not _choice(src.get("experts", "auto"), EXPERT_CHOICES):
+        raise _record_error(folder, f"source.experts: {src.get('experts')!r} is not one of {', '.join(EXPERT_CHOICES)}")
+    return doc
+
+
+def open_export(folder: str | Path) -> tuple[dict, K3Config]:
+    """The checked record and the config of an export folder: config.json must be the one the export wrote (its
+    sha256) and give the graph interface the record names."""
+    folder = Path(folder)
+    doc = read_record(folder)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ExportError(f"{folder}: no {CONFIG_FILE} beside {MODEL_FILE}")
+    sha = doc.get("config_sha256")
+    if sha is not None and sha256_file(cfg_path) != sha:
+        raise ExportError(f"{cfg_path}: changed since the export (its sha256 differs from {EXPORT_JSON}'s); "
+                          "the graph was built for the original, so export again instead of editing it")
+    cfg = load_config(cfg_path)
+    if doc["interface"] != GraphInterface.of(cfg).as_record():
+        raise ExportError(f"{cfg_path}: its layers do not give the graph interface {EXPORT_JSON} records")
+    return doc, cfg
+
+
+def _dims(vi) -> list:
+    return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+
+def _short_names(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", … ({len(names)} in all)" if len(names) > n else "")
+
+
+def check_graph(path: Path, cfg: K3Config) -> None:
+    """model.onnx must be the k3 graph of this config: the interface's input and output names, the vocabulary."""
+    import onnx
+
+    try:
+        m = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ExportError(f"{path}: cannot load it (not a readable ONNX model: {why})") from None
+    gi = GraphInterface.of(cfg)
+    inputs = [i.name for i in m.graph.input]
+    outputs = [o.name for o in m.graph.output]
+    if inputs != gi.inputs or outputs != gi.outputs:
+        raise ExportError(f"{path}: its inputs/outputs ({_short_names(inputs)} -> {_short_names(outputs)}) are not "
+                          f"the k3 graph interface of its config.json; not a k3compile export of this model")
+    dims = _dims(m.graph.output[0])
+    if len(dims) != 3 or dims[2] != cfg.vocab_size:
+        raise ExportError(f"{path}: logits {dims} do not end in the config's vocab_size {cfg.vocab_size}")

@@ -1,0 +1,75 @@
+"""The library functions behind the commands that span several layers (docs/architecture.md, "Layers").
+
+`export_checked` traces, writes and gates an export on an onnxruntime-vs-eager parity run; `verify_export` checks
+an export folder and compares eager with onnxruntime (and onnx.reference). They sit one floor above `export`,
+`verify` and the backends, so that data flows down: export.py knows nothing of backends or verify.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from k3compile import verify
+from k3compile.backends.eager import EagerBackend
+from k3compile.backends.onnx import OnnxBackend
+from k3compile.export import DEFAULT_TOL, MIN_OPSET, export
+from k3compile.interface import ExportError, open_export
+from k3compile.model.k3 import K3ForCausalLM
+from k3compile.modes import ACT_QUANT_FLAGS, Forms
+from k3compile.source import load_model
+from k3compile.threads import default_threads, use_threads
+
+
+def parity_check(model: K3ForCausalLM, activations: str = "none", threads: int | None = None,
+                 decode_steps: int = 2) -> Callable[[Path], list[dict]]:
+    """check(folder): onnxruntime on the folder against eager in the exported forms (absorbed MLA, the activation
+    quantization the graph carries), prefill and `decode_steps` decode steps."""
+    forms = Forms.exported(ACT_QUANT_FLAGS[activations])
+
+    def check(folder: Path) -> list[dict]:
+        return verify.compare(EagerBackend(model, forms), OnnxBackend(folder, threads=threads),
+                              decode_steps=decode_steps)
+
+    return check
+
+
+def export_checked(
+    model: K3ForCausalLM,
+    out: str | Path,
+    opset: int = MIN_OPSET,
+    activations: str = "none",
+    source: dict | None = None,
+    overwrite: bool = False,
+    verify_parity: bool = True,
+    tolerance: float = DEFAULT_TOL,
+    threads: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """`export` gated on parity: onnxruntime must match eager within `tolerance` in every output (prefill and two
+    decode steps) or nothing is written. Returns the export.json document, parity rows included."""
+    check = parity_check(model, activations, threads) if verify_parity else None
+    return export(model, out, opset=opset, activations=activations, source=source, overwrite=overwrite,
+                  check=check, tolerance=tolerance, progress=progress)
+
+
+def verify_export(folder: str | Path, source: str | None = None, reference: bool = False, decode_steps: int = 2,
+                  threads: int | None = None) -> list[dict]:
+    """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
+    the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key."""
+    doc, cfg = open_export(folder)
+    rec = doc.get("source") or {}
+    src = source or rec.get("source")
+    if not src:
+        raise ExportError(f"{folder}: export.json does not say where the weights came from; pass --source")
+    verify.check_source(src, cfg)
+    model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
+    verify.check_model(model.config, cfg)
+    use_threads(threads or default_threads(cfg))
+    eager = EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[doc.get("activations", "none")]))
+    rows = [dict(r, backend="onnxruntime")
+            for r in verify.compare(eager, OnnxBackend(folder, threads=threads), decode_steps=decode_steps)]
+    if reference:
+        rows += [dict(r, backend="onnx.reference")
+                 for r in verify.compare(eager, OnnxBackend(folder, reference=True), decode_steps=decode_steps)]
+    return rows
