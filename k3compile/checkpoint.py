@@ -1,12 +1,10 @@
-"""HF-layout safetensors checkpoints of the family (MODEL.md §7): read, check, convert, write.
+"""HF-layout safetensors checkpoint files of the family (docs/model.md, "Checkpoints"): find, check, read, write.
 
-Two layouts: Kimi-Linear (prefix `model.`, `lm_head.weight`, `A_log` [1, 1, H, 1]) and K3 (prefix
-`language_model.model.`, `language_model.lm_head.weight`, `A_log` 1-D and zero-padded past H). Routed experts are
-per-expert `block_sparse_moe.experts.E.{w1,w2,w3}.weight` (float) or `.weight_packed` + `.weight_scale` (MXFP4:
-uint8 nibbles + E8M0 bytes, 32-element groups along the input dim); the model stacks them. Single files and
-sharded `model.safetensors.index.json` folders both load. A missing, extra, misshaped or wrongly typed tensor is
-reported by its checkpoint name before any weight is read; a weight holding NaN / Inf, or an E8M0 scale byte 0xFF
-(NaN), is reported by name as it is read.
+The name and layout mapping (Kimi-Linear and K3 layouts, per-expert tensors <-> stacked experts, a selection of
+layers or experts) is model/state_dict_adapter.py's; this module does the file work. Single files and sharded
+`model.safetensors.index.json` folders both load, and `load_state` reads only the tensors a selection keeps. A
+missing, extra, misshaped or wrongly typed tensor is reported by its checkpoint name before any weight is read; a
+weight holding NaN / Inf, or an E8M0 scale byte 0xFF (NaN), is reported by name as it is read.
 """
 
 from __future__ import annotations
@@ -21,23 +19,27 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from k3compile.config import EXPERT_CHOICES, ConfigError, K3Config, load_config
+from k3compile.config import EXPERT_CHOICES, ConfigError, K3Config, read_config
 from k3compile.errors import UserError
 from k3compile.model.k3 import K3ForCausalLM
-from k3compile.quant.mx import E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
+from k3compile.model.state_dict_adapter import (
+    ALL,
+    LAYOUTS,
+    Selection,
+    convert_experts,
+    dense_aliases,
+    detect_expert_format,
+    detect_layout,
+    expected,
+    from_checkpoint,
+    to_checkpoint,
+)
+from k3compile.quant.mx import E8M0_NAN
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-LAYOUTS = ("kimi_linear", "k3")
-A_LOG_PAD = 128  # K3 stores A_log padded to a multiple of 128 entries (96 heads -> 128)
-
-_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w13|w2)(?:_(packed|scale))?$")
-_CKPT_EXPERT = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale)$")
-_SUFFIX = {None: "weight", "packed": "weight_packed", "scale": "weight_scale"}  # stacked buffer part -> HF suffix
-_PART = {v: k for k, v in _SUFFIX.items()}
-_DENSE_ALIAS = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
 BYTE_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("U8", "F8_E8M0")}  # MXFP4 nibbles, E8M0 scale bytes
@@ -45,70 +47,6 @@ BYTE_DTYPES = {"weight_packed": ("U8",), "weight_scale": ("U8", "F8_E8M0")}  # M
 
 class CheckpointError(UserError):
     """A checkpoint that does not match its config, or cannot be read; the message names the tensors."""
-
-
-def _prefix(layout: str) -> str:
-    return "language_model." if layout == "k3" else ""
-
-
-# ---- model state <-> checkpoint tensors ---------------------------------------------------------------------------
-
-def to_checkpoint(state: dict[str, torch.Tensor], cfg: K3Config, layout: str) -> dict[str, torch.Tensor]:
-    """Model state dict -> checkpoint tensors under HF names (works on meta tensors: reshapes only)."""
-    pre = _prefix(layout)
-    out: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        if cfg.tie_word_embeddings and key == "lm_head.weight":
-            continue
-        m = _EXPERT.match(key)
-        if m:
-            base, which, part = m.groups()
-            suffix = _SUFFIX[part]
-            for e in range(t.shape[0]):
-                if which == "w2":
-                    out[f"{pre}{base}.{e}.w2.{suffix}"] = t[e]
-                else:
-                    w1, w3 = t[e].chunk(2, dim=0)
-                    out[f"{pre}{base}.{e}.w1.{suffix}"] = w1
-                    out[f"{pre}{base}.{e}.w3.{suffix}"] = w3
-            continue
-        if key.endswith(".A_log"):
-            if layout == "k3":
-                pad = -t.numel() % A_LOG_PAD
-                t = torch.cat([t, t.new_zeros(pad)]) if pad else t
-            else:
-                t = t.view(1, 1, -1, 1)
-        out[pre + key] = t
-    return out
-
-
-def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: K3Config, layout: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (names already checked) -> model state dict."""
-    pre = _prefix(layout)
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        key = name[len(pre):]
-        m = _CKPT_EXPERT.match(key)
-        if m:
-            base, e, w, suffix = m.groups()
-            experts.setdefault((base, w, suffix), {})[int(e)] = t
-            continue
-        if key.endswith(".A_log"):
-            t = t.reshape(-1)[: cfg.kda_num_heads]  # K3 pads past H: narrow, never reshape
-        state[key] = t
-    for (base, w, suffix), per in list(experts.items()):
-        if w == "w3":
-            continue
-        stacked = torch.stack([per[e] for e in range(len(per))])
-        if w == "w1":
-            w3 = experts[(base, "w3", suffix)]
-            stacked = torch.cat([stacked, torch.stack([w3[e] for e in range(len(w3))])], dim=1)
-        part = _PART[suffix]
-        state[f"{base}.{'w13' if w == 'w1' else 'w2'}{'' if part is None else '_' + part}"] = stacked
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
 
 
 # ---- reading --------------------------------------------------------------------------------------------------------
@@ -153,34 +91,14 @@ def _short(names: list[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + more
 
 
-def detect_layout(names) -> str:
-    return "k3" if any(n.startswith("language_model.") for n in names) else "kimi_linear"
-
-
-def detect_expert_format(names) -> str | None:
-    fmt = None
-    for n in names:
-        m = _CKPT_EXPERT.match(n)
-        if m:
-            fmt = "mxfp4" if m.group(4) != "weight" else "float"
-            break
-    return fmt
-
-
-def _expected(cfg: K3Config, layout: str) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
-    return {k: tuple(v.shape) for k, v in to_checkpoint(model.state_dict(), cfg, layout).items()}
-
-
 def _want_dtypes(name: str) -> tuple[str, ...]:
     return BYTE_DTYPES.get(name.rsplit(".", 1)[-1], FLOAT_DTYPES)
 
 
 def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str,
-                dtypes: dict[str, str] | None = None) -> None:
+                dtypes: dict[str, str] | None = None, select: Selection = ALL) -> None:
     """Raise CheckpointError naming every missing, extra, misshaped or (given `dtypes`) wrongly typed tensor."""
-    want = _expected(cfg, layout)
+    want = expected(cfg, layout, select)
     missing = [k for k in want if k not in found]
     extra = [k for k in found if k not in want]
     bad = []
@@ -204,45 +122,41 @@ def check_names(cfg: K3Config, found: dict[str, tuple[int, ...]], layout: str,
         raise CheckpointError("checkpoint does not match its config: " + "; ".join(problems))
 
 
-def load_checkpoint(
+def load_state(
     folder: str | Path,
     cfg: K3Config | None = None,
-    experts: str = "auto",
+    select: Selection = ALL,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
-) -> K3ForCausalLM:
-    """Load a checkpoint folder (config.json + safetensors). `experts`: "auto" keeps the checkpoint's expert
-    format, "mxfp4" quantizes float experts (OCP FLOOR rule), "float" dequantizes MXFP4 experts."""
+) -> tuple[K3Config, dict[str, torch.Tensor], str]:
+    """Read a checkpoint folder's tensors, or the `select`ed subset of them (a layer range, an expert slice): only
+    those tensors are read from the files. Returns (config with the stored expert format, native state dict,
+    layout). Names, shapes and dtypes are checked before any tensor is read."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder")
-    if experts not in EXPERT_CHOICES:
-        raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
     if cfg is None:
         try:
-            cfg = load_config(folder)
+            cfg = read_config(folder)
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
-    files = _files(folder)
-    found = _scan(files)
-    names = {k: v[0] for k, v in found.items()}
-    layout = detect_layout(names)
-    pre = _prefix(layout)
-    # transformers writes the dense layer-0 MLP under block_sparse_moe.; the published files use mlp.
-    alias = {}
-    for k in list(names):
-        m = _DENSE_ALIAS.match(k[len(pre):])
-        if m and not cfg.is_moe(int(m.group(1).rsplit(".", 1)[1])):
-            alias[f"{pre}{m.group(1)}.mlp.{m.group(2)}"] = k
-    shapes = {alias_inv: found[k][1] for alias_inv, k in alias.items()}
+    try:
+        select.check(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    found = _scan(_files(folder))
+    layout = detect_layout(found)
+    alias = dense_aliases(list(found), cfg, layout)
+    shapes = {a: found[k][1] for a, k in alias.items()}
     shapes.update({k: v[1] for k, v in found.items() if k not in alias.values()})
+    shapes = {k: v for k, v in shapes.items() if select.keeps(k, cfg)}
     dtypes = {k: found[alias.get(k, k)][2] for k in shapes}
     stored = detect_expert_format(shapes) or cfg.expert_format
     try:
         stored_cfg = cfg.replace(expert_format=stored)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    check_names(stored_cfg, shapes, layout, dtypes)
+    check_names(stored_cfg, shapes, layout, dtypes, select)
     tensors: dict[str, torch.Tensor] = {}
     src = {k: alias.get(k, k) for k in shapes}
     by_file: dict[Path, list[str]] = {}
@@ -263,15 +177,29 @@ def load_checkpoint(
                         progress(done, len(src))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{f}: cannot read its tensors ({str(e).splitlines()[0][:200]})") from None
-    state = from_checkpoint(tensors, stored_cfg, layout)
-    target = stored if experts == "auto" else experts
+    log.info("read %s (%s layout, %s experts, %d tensors)", folder, layout, stored, len(tensors))
+    return stored_cfg, from_checkpoint(tensors, stored_cfg, layout), layout
+
+
+def load_checkpoint(
+    folder: str | Path,
+    cfg: K3Config | None = None,
+    experts: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> K3ForCausalLM:
+    """Load a checkpoint folder (config.json + safetensors). `experts`: "auto" keeps the checkpoint's expert
+    format, "mxfp4" quantizes float experts (OCP FLOOR rule), "float" dequantizes MXFP4 experts."""
+    if experts not in EXPERT_CHOICES:
+        raise CheckpointError(f"experts: {experts!r} is not one of auto, float, mxfp4")
+    stored_cfg, state, _ = load_state(folder, cfg, dtype=dtype, progress=progress)
+    target = stored_cfg.expert_format if experts == "auto" else experts
     try:
-        target_cfg = cfg.replace(expert_format=target)
+        target_cfg = stored_cfg.replace(expert_format=target)
     except ConfigError as e:
         raise CheckpointError(f"experts={target}: {e}") from None
-    if target != stored:
+    if target != stored_cfg.expert_format:
         state = convert_experts(state, target, dtype)
-    log.info("loaded %s (%s layout, %s experts, %d tensors)", folder, layout, target, len(tensors))
     return assemble(target_cfg, state)
 
 
@@ -295,22 +223,6 @@ def assemble(cfg: K3Config, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
     if cfg.tie_word_embeddings:  # assign made two Parameters of one tensor: make them one again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
-
-
-def convert_experts(state: dict[str, torch.Tensor], target: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Stacked routed experts float <-> MXFP4 (quantize with the OCP FLOOR rule, or dequantize)."""
-    out = dict(state)
-    for key in list(state):
-        m = _EXPERT.match(key)
-        if not m:
-            continue
-        base, which, part = m.groups()
-        if target == "mxfp4" and part is None:
-            packed, scale = quantize_mxfp4(out.pop(key))
-            out[f"{base}.{which}_packed"], out[f"{base}.{which}_scale"] = packed, scale
-        elif target == "float" and part == "packed":
-            out[f"{base}.{which}"] = dequantize_mxfp4(out.pop(key), out.pop(f"{base}.{which}_scale")).to(dtype)
-    return out
 
 
 # ---- writing --------------------------------------------------------------------------------------------------------

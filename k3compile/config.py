@@ -1,11 +1,14 @@
-"""The kimi_linear model family's configuration: one frozen dataclass, named presets, HF config.json read/write.
+"""The kimi_linear model family's configuration: one frozen dataclass, HF config.json read/write (docs/model.md).
 
 Kimi-Linear-48B and Kimi K3 share one config; every K3 novelty is a switch on top of Kimi-Linear
-(MODEL.md §1): the KDA gate lower bound, the full-rank KDA output gate, the MLA output gate, the latent MoE
-(`routed_expert_hidden_size`) with its norm, SiTU, Block Attention Residuals and MXFP4 experts.
+(docs/model.md, "The family"): the KDA gate lower bound, the full-rank KDA output gate, the MLA output gate, the
+latent MoE (`routed_expert_hidden_size`) with its norm, SiTU, Block Attention Residuals and MXFP4 experts.
 
-Layer indices in this dataclass are 0-INDEXED; the HF `linear_attn_config` lists are 1-indexed and are converted
-on read and write.
+The dataclass is the one field table: each field's metadata names its HF key(s) (the first is written, the others
+are read aliases; `linear_attn_config.x` is nested) and whether only K3-feature configs write it; the default is the
+dataclass default, the JSON type comes from the annotation. Reader, writer and defaults cannot disagree.
+Layer indices here are 0-INDEXED; the HF `linear_attn_config` lists are 1-indexed and are converted on read and
+write. Presets and resolving a SOURCE to a config live in presets.py.
 """
 
 from __future__ import annotations
@@ -29,57 +32,64 @@ ACTIVATIONS = tuple(a.value for a in Activation)  # silu, situ (modes.py owns th
 EXPERT_FORMATS = tuple(f.value for f in ExpertFormat)  # float, mxfp4
 EXPERT_CHOICES = ("auto", *EXPERT_FORMATS)  # what a loader may be asked for: the stored format, or a conversion
 MAX_SIZE = 2**31 - 1  # every width, count and id fits an int32 (tensor dims in ONNX and the kernels)
-BOOL_FIELDS = ("tie_word_embeddings", "use_full_rank_gate", "mla_use_output_gate", "latent_moe_use_norm",
-               "moe_renormalize")
-FLOAT_FIELDS = ("rms_norm_eps", "activation_situ_beta", "activation_situ_linear_beta", "routed_scaling_factor")
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def hf(default: Any, *keys: str, k3: bool = False) -> Any:
+    """A field of the table: its default, its HF keys (first written, all read), whether only K3 configs write it."""
+    return field(default=default, metadata={"hf": keys, "k3": k3})
 
 
 @dataclass(frozen=True)
 class K3Config:
     # Trunk
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    full_attn_layers: tuple[int, ...]  # 0-indexed MLA layers; every other layer is KDA
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 1048576
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
+    vocab_size: int = hf(None, "vocab_size")
+    hidden_size: int = hf(None, "hidden_size")
+    num_hidden_layers: int = hf(None, "num_hidden_layers")
+    full_attn_layers: tuple[int, ...] = ()  # 0-indexed MLA layers; every other layer is KDA (read: _layer_lists)
+    rms_norm_eps: float = hf(1e-5, "rms_norm_eps")
+    tie_word_embeddings: bool = hf(False, "tie_word_embeddings")
+    max_position_embeddings: int = hf(1048576, "max_position_embeddings", "model_max_length")
+    bos_token_id: int | None = hf(None, "bos_token_id")
+    eos_token_id: int | None = hf(None, "eos_token_id")
+    pad_token_id: int | None = hf(None, "pad_token_id")
     # KDA
-    kda_num_heads: int = 32
-    kda_head_dim: int = 128
-    conv_kernel_size: int = 4
-    gate_lower_bound: float | None = None  # K3: -5.0 (sigmoid gate); None: Kimi-Linear softplus gate
-    use_full_rank_gate: bool = False  # K3: g_proj [H*V, D]; Kimi-Linear: g_b_proj(g_a_proj(x))
+    kda_num_heads: int = hf(32, "linear_attn_config.num_heads", "linear_num_heads")
+    kda_head_dim: int = hf(128, "linear_attn_config.head_dim", "linear_head_dim")
+    conv_kernel_size: int = hf(4, "linear_attn_config.short_conv_kernel_size", "linear_conv_kernel_dim")
+    # K3: -5.0 (sigmoid gate); None: Kimi-Linear softplus gate
+    gate_lower_bound: float | None = hf(None, "linear_attn_config.gate_lower_bound")
+    # K3: g_proj [H*V, D]; Kimi-Linear: g_b_proj(g_a_proj(x))
+    use_full_rank_gate: bool = hf(False, "linear_attn_config.use_full_rank_gate")
     # MLA (NoPE)
-    num_attention_heads: int = 32
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    mla_use_output_gate: bool = False
+    num_attention_heads: int = hf(32, "num_attention_heads")
+    q_lora_rank: int | None = hf(None, "q_lora_rank")
+    kv_lora_rank: int = hf(512, "kv_lora_rank")
+    qk_nope_head_dim: int = hf(128, "qk_nope_head_dim")
+    qk_rope_head_dim: int = hf(64, "qk_rope_head_dim")
+    v_head_dim: int = hf(128, "v_head_dim")
+    mla_use_output_gate: bool = hf(False, "mla_use_output_gate")
     # FFN / MoE
-    hidden_act: str = "silu"
-    activation_situ_beta: float = 4.0
-    activation_situ_linear_beta: float = 25.0
-    intermediate_size: int = 9216  # dense layers (< first_k_dense_replace)
-    first_k_dense_replace: int = 1
-    num_experts: int = 256
-    num_experts_per_token: int = 8
-    num_shared_experts: int = 1
-    moe_intermediate_size: int = 1024
-    routed_expert_hidden_size: int | None = None  # K3 latent MoE width; None: experts at full width
-    latent_moe_use_norm: bool = False
-    moe_renormalize: bool = True
-    routed_scaling_factor: float = 1.0
-    num_expert_group: int = 1
-    topk_group: int = 1
-    expert_format: str = "float"  # "mxfp4": routed experts stored packed (weight_packed + E8M0 weight_scale)
+    hidden_act: str = hf(Activation.SILU.value, "hidden_act")
+    activation_situ_beta: float = hf(4.0, "activation_situ_beta", k3=True)
+    activation_situ_linear_beta: float = hf(25.0, "activation_situ_linear_beta", k3=True)
+    intermediate_size: int = hf(9216, "intermediate_size")  # dense layers (< first_k_dense_replace)
+    first_k_dense_replace: int = hf(1, "first_k_dense_replace")
+    num_experts: int = hf(256, "num_experts", "num_local_experts", "n_routed_experts")
+    num_experts_per_token: int = hf(8, "num_experts_per_token", "num_experts_per_tok")
+    num_shared_experts: int = hf(1, "num_shared_experts", "n_shared_experts")
+    moe_intermediate_size: int = hf(1024, "moe_intermediate_size")
+    # K3 latent MoE width; None: experts at full width
+    routed_expert_hidden_size: int | None = hf(None, "routed_expert_hidden_size", k3=True)
+    latent_moe_use_norm: bool = hf(False, "latent_moe_use_norm", k3=True)
+    moe_renormalize: bool = hf(True, "moe_renormalize", "norm_topk_prob")
+    routed_scaling_factor: float = hf(2.446, "routed_scaling_factor")  # transformers' Kimi-Linear default; K3: 1.0
+    num_expert_group: int = hf(1, "num_expert_group", "n_group")
+    topk_group: int = hf(1, "topk_group")
+    # "mxfp4": routed experts stored packed (weight_packed + E8M0 weight_scale); read from quantization_config
+    expert_format: str = ExpertFormat.FLOAT.value
     # Block Attention Residuals
-    attn_res_block_size: int | None = None
+    attn_res_block_size: int | None = hf(None, "attn_res_block_size", k3=True)
     # Free-form provenance (kept out of equality so that presets compare by their numbers)
     name: str = field(default="custom", compare=False)
 
@@ -112,7 +122,7 @@ class K3Config:
         return (
             self.attn_res_block_size is not None
             or self.is_latent_moe
-            or self.hidden_act == "situ"
+            or self.hidden_act == Activation.SITU
             or self.mla_use_output_gate
             or self.gate_lower_bound is not None
         )
@@ -123,59 +133,17 @@ class K3Config:
     # ---- HF config.json ---------------------------------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF config: a top-level kimi_linear dict, nested as `text_config` of kimi_k3 for K3-feature configs."""
-        text: dict[str, Any] = {
-            "model_type": "kimi_linear",
-            "architectures": ["KimiLinearForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "linear_attn_config": {
-                "full_attn_layers": [i + 1 for i in self.full_attn_layers],
-                "kda_layers": [i + 1 for i in self.kda_layers],
-                "num_heads": self.kda_num_heads,
-                "head_dim": self.kda_head_dim,
-                "short_conv_kernel_size": self.conv_kernel_size,
-                "gate_lower_bound": self.gate_lower_bound,
-                "use_full_rank_gate": self.use_full_rank_gate,
-            },
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "mla_use_nope": True,
-            "mla_use_output_gate": self.mla_use_output_gate,
-            "hidden_act": self.hidden_act,
-            "intermediate_size": self.intermediate_size,
-            "first_k_dense_replace": self.first_k_dense_replace,
-            "num_experts": self.num_experts,
-            "num_experts_per_token": self.num_experts_per_token,
-            "num_shared_experts": self.num_shared_experts,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "moe_renormalize": self.moe_renormalize,
-            "moe_router_activation_func": "sigmoid",
-            "topk_method": "noaux_tc",
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "num_expert_group": self.num_expert_group,
-            "topk_group": self.topk_group,
-        }
-        if self.is_k3:
-            text.update(
-                activation_situ_beta=self.activation_situ_beta,
-                activation_situ_linear_beta=self.activation_situ_linear_beta,
-                routed_expert_hidden_size=self.routed_expert_hidden_size,
-                latent_moe_use_norm=self.latent_moe_use_norm,
-                attn_res_block_size=self.attn_res_block_size,
-            )
-        if self.expert_format == "mxfp4":
+        text: dict[str, Any] = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
+        for f in table():
+            if f.metadata["k3"] and not self.is_k3:
+                continue
+            _put(text, f.metadata["hf"][0], getattr(self, f.name))
+        lac = text["linear_attn_config"]
+        lac["full_attn_layers"] = [i + 1 for i in self.full_attn_layers]
+        lac["kda_layers"] = [i + 1 for i in self.kda_layers]
+        text.update(num_key_value_heads=self.num_attention_heads, mla_use_nope=True,
+                    moe_router_activation_func="sigmoid", topk_method="noaux_tc")
+        if self.expert_format == ExpertFormat.MXFP4:
             text["quantization_config"] = {
                 "quant_method": "compressed-tensors",
                 "format": "mxfp4-pack-quantized",
@@ -195,26 +163,42 @@ class K3Config:
         return _from_hf_dict(d, name)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, allow_nan=False) + "\n")
+
+
+BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(K3Config) if f.type == "bool")
+FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(K3Config) if f.type == "float")
+
+
+def table() -> list[dataclasses.Field]:
+    """The fields with HF keys, in declaration order."""
+    return [f for f in dataclasses.fields(K3Config) if "hf" in f.metadata]
+
+
+def _put(d: dict[str, Any], path: str, value: Any) -> None:
+    *outer, key = path.split(".")
+    for k in outer:
+        d = d.setdefault(k, {})
+    d[key] = value
 
 
 # ---- reading HF configs ------------------------------------------------------------------------------------------
 
-_ALIASES = {
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "num_experts_per_token": ("num_experts_per_token", "num_experts_per_tok"),
-    "num_shared_experts": ("num_shared_experts", "n_shared_experts"),
-    "moe_renormalize": ("moe_renormalize", "norm_topk_prob"),
-    "num_expert_group": ("num_expert_group", "n_group"),
-    "max_position_embeddings": ("max_position_embeddings", "model_max_length"),
-}
+def _lookup(d: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, Any]:
+    """The first of `keys` present (and not null) in d (a dotted key looks inside a nested object): (key, value)."""
+    for k in keys:
+        *outer, last = k.split(".")
+        node: Any = d
+        for o in outer:
+            node = node.get(o) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(last) is not None:
+            return k, node[last]
+    return keys[0], None
 
 
 def _get(d: dict[str, Any], key: str, default: Any = None) -> Any:
-    for k in _ALIASES.get(key, (key,)):
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
+    v = d.get(key)
+    return default if v is None else v
 
 
 def _num(d: dict[str, Any], key: str, default: Any, kind: type, optional: bool = False) -> Any:
@@ -295,6 +279,26 @@ def _layer_lists(d: dict[str, Any], n_layers: int) -> tuple[int, ...]:
     raise ConfigError("linear_attn_config.full_attn_layers: missing (which layers are MLA?)")
 
 
+def _read_field(d: dict[str, Any], f: dataclasses.Field) -> Any:
+    key, v = _lookup(d, f.metadata["hf"])
+    key = key.split(".")[-1] if key.startswith("linear_attn_config.") else key
+    kind = str(f.type)
+    optional = "None" in kind
+    if f.name in TOKEN_IDS:
+        return _token_id({key: v}, key)
+    if v is None:
+        if f.default is None and not optional:
+            raise ConfigError(f"{key}: expected an integer, got null" if key in d else f"{key}: missing")
+        return f.default
+    if kind == "bool":
+        return _bool({key: v}, key, f.default)
+    if kind.startswith("str"):
+        if not isinstance(v, str):
+            raise ConfigError(f"{key}: expected a string, got {v!r}")
+        return v
+    return _num({key: v}, key, None, int if kind.startswith("int") else float, optional)
+
+
 def _from_hf_dict(d: dict[str, Any], name: str) -> K3Config:
     if not isinstance(d, dict):
         raise ConfigError("config.json: expected a JSON object")
@@ -308,70 +312,22 @@ def _from_hf_dict(d: dict[str, Any], name: str) -> K3Config:
         mt = d.get("model_type", "kimi_linear")
     if mt not in ("kimi_linear", None):
         raise ConfigError(f"model_type: {mt!r} is not of the kimi_linear family (kimi_linear or kimi_k3)")
-    for req in ("vocab_size", "hidden_size", "num_hidden_layers"):
-        if req not in d:
-            raise ConfigError(f"{req}: missing")
-        _num(d, req, None, int)
-    n_layers = d["num_hidden_layers"]
-    lac = _object(d, "linear_attn_config")
+    _object(d, "linear_attn_config")  # an object or absent
     if _bool(d, "mla_use_nope", True) is False:
         raise ConfigError("mla_use_nope: false (rotary MLA) is not part of the K3 family; only NoPE MLA is supported")
     if d.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"moe_router_activation_func: {d['moe_router_activation_func']!r}; only sigmoid is supported")
     if d.get("moe_layer_freq", 1) != 1:
         raise ConfigError("moe_layer_freq: only 1 (every layer after first_k_dense_replace is MoE) is supported")
-    hidden_act = d.get("hidden_act", "silu")
-    if not isinstance(hidden_act, str):
-        raise ConfigError(f"hidden_act: expected a string, got {hidden_act!r}")
-    expert_format = "float"
+    kw: dict[str, Any] = {f.name: _read_field(d, f) for f in table()}
+    expert_format = ExpertFormat.FLOAT.value
     if quant:
         fmt = str(quant.get("format", "")) + str(quant.get("quant_method", ""))
-        if "mxfp4" in fmt:
-            expert_format = "mxfp4"
+        if "mxfp4" in fmt:  # compressed-tensors' "mxfp4-pack-quantized"
+            expert_format = ExpertFormat.MXFP4.value
         else:
             raise ConfigError(f"quantization_config: unsupported format {fmt!r} (supported: mxfp4-pack-quantized)")
-    kw: dict[str, Any] = dict(
-        vocab_size=d["vocab_size"],
-        hidden_size=d["hidden_size"],
-        num_hidden_layers=n_layers,
-        full_attn_layers=_layer_lists(d, n_layers),
-        rms_norm_eps=_num(d, "rms_norm_eps", 1e-5, float),
-        tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
-        max_position_embeddings=_num(d, "max_position_embeddings", 1048576, int),
-        bos_token_id=_token_id(d, "bos_token_id"),
-        eos_token_id=_token_id(d, "eos_token_id"),
-        pad_token_id=_token_id(d, "pad_token_id"),
-        kda_num_heads=_num(lac, "num_heads", d.get("linear_num_heads", 32), int),
-        kda_head_dim=_num(lac, "head_dim", d.get("linear_head_dim", 128), int),
-        conv_kernel_size=_num(lac, "short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4), int),
-        gate_lower_bound=_num(lac, "gate_lower_bound", None, float, optional=True),
-        use_full_rank_gate=_bool(lac, "use_full_rank_gate", False),
-        num_attention_heads=_num(d, "num_attention_heads", 32, int),
-        q_lora_rank=_num(d, "q_lora_rank", None, int, optional=True),
-        kv_lora_rank=_num(d, "kv_lora_rank", 512, int),
-        qk_nope_head_dim=_num(d, "qk_nope_head_dim", 128, int),
-        qk_rope_head_dim=_num(d, "qk_rope_head_dim", 64, int),
-        v_head_dim=_num(d, "v_head_dim", 128, int),
-        mla_use_output_gate=_bool(d, "mla_use_output_gate", False),
-        hidden_act=hidden_act,
-        activation_situ_beta=_num(d, "activation_situ_beta", 4.0, float),
-        activation_situ_linear_beta=_num(d, "activation_situ_linear_beta", 25.0, float),
-        intermediate_size=_num(d, "intermediate_size", 9216, int),
-        first_k_dense_replace=_num(d, "first_k_dense_replace", 1, int),
-        num_experts=_num(d, "num_experts", 0, int),
-        num_experts_per_token=_num(d, "num_experts_per_token", 0, int),
-        num_shared_experts=_num(d, "num_shared_experts", 0, int),
-        moe_intermediate_size=_num(d, "moe_intermediate_size", 1024, int),
-        routed_expert_hidden_size=_num(d, "routed_expert_hidden_size", None, int, optional=True),
-        latent_moe_use_norm=_bool(d, "latent_moe_use_norm", False),
-        moe_renormalize=_bool(d, "moe_renormalize", True),
-        routed_scaling_factor=_num(d, "routed_scaling_factor", 1.0, float),
-        num_expert_group=_num(d, "num_expert_group", 1, int),
-        topk_group=_num(d, "topk_group", 1, int),
-        expert_format=expert_format,
-        attn_res_block_size=_num(d, "attn_res_block_size", None, int, optional=True),
-        name=name,
-    )
+    kw.update(full_attn_layers=_layer_lists(d, kw["num_hidden_layers"]), expert_format=expert_format, name=name)
     try:
         return K3Config(**kw)
     except TypeError as e:  # a wrong JSON type reaching arithmetic in validate()
@@ -441,7 +397,7 @@ def validate(c: K3Config) -> None:
             need(isinstance(c.routed_expert_hidden_size, int) and c.routed_expert_hidden_size > 0,
                  "routed_expert_hidden_size",
                  f"must be null or a positive integer, got {c.routed_expert_hidden_size!r}")
-        if c.expert_format == "mxfp4":
+        if c.expert_format == ExpertFormat.MXFP4:
             need(c.latent_size % 32 == 0, "routed_expert_hidden_size" if c.is_latent_moe else "hidden_size",
                  f"MXFP4 experts need the expert input width ({c.latent_size}) to be a multiple of 32")
             need(c.moe_intermediate_size % 32 == 0, "moe_intermediate_size",
@@ -450,89 +406,18 @@ def validate(c: K3Config) -> None:
          "needs routed_expert_hidden_size (the norm acts on the latent sum)")
 
 
-# ---- presets -------------------------------------------------------------------------------------------------------
-
-def _k3() -> K3Config:
-    full = tuple(i - 1 for i in [*range(4, 93, 4), 93])  # 1-indexed [4, 8, ..., 92, 93]: 24 MLA layers
-    return K3Config(
-        name="k3", vocab_size=163840, hidden_size=7168, num_hidden_layers=93, full_attn_layers=full,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=1048576,
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=96, kda_head_dim=128, conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True,
-        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_use_output_gate=True,
-        hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
-        intermediate_size=33792, first_k_dense_replace=1, num_experts=896, num_experts_per_token=16,
-        num_shared_experts=2, moe_intermediate_size=3072, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
-        moe_renormalize=True, routed_scaling_factor=1.0, num_expert_group=1, topk_group=1,
-        expert_format="mxfp4", attn_res_block_size=12,
-    )
-
-
-def _kimi_linear_48b() -> K3Config:
-    full = tuple(i - 1 for i in (4, 8, 12, 16, 20, 24, 27))
-    return K3Config(
-        name="kimi-linear-48b", vocab_size=163840, hidden_size=2304, num_hidden_layers=27, full_attn_layers=full,
-        bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda_num_heads=32, kda_head_dim=128, num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        hidden_act="silu", intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_token=8,
-        num_shared_experts=1, moe_intermediate_size=1024, routed_scaling_factor=2.446,
-    )
-
-
-def _k3_tiny() -> K3Config:
-    # 7 layers: dense layer 0; MLA at 3, 5, 6 (the last two MLA, like K3); AttnRes blocks of 2 -> 4 banked
-    # summaries; latent MoE (32 of 64) with 2 shared experts and MXFP4 routed experts.
-    return _k3().replace(
-        name="k3-tiny", vocab_size=256, hidden_size=64, num_hidden_layers=7, full_attn_layers=(3, 5, 6),
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        kda_num_heads=2, kda_head_dim=16, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=2,
-        moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2,
-    )
-
-
-def _k3_small() -> K3Config:
-    # A benchmark size (~0.4 B parameters): every K3 feature at widths where kernels matter.
-    return _k3().replace(
-        name="k3-small", vocab_size=32768, hidden_size=1024, num_hidden_layers=12,
-        full_attn_layers=(3, 7, 10, 11), max_position_embeddings=65536, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, kda_num_heads=8, kda_head_dim=128, num_attention_heads=8, q_lora_rank=256,
-        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        intermediate_size=2816, num_experts=32, num_experts_per_token=4, num_shared_experts=2,
-        moe_intermediate_size=512, routed_expert_hidden_size=512, attn_res_block_size=4,
-    )
-
-
-PRESETS = {"k3": _k3, "kimi-linear-48b": _kimi_linear_48b, "k3-tiny": _k3_tiny, "k3-small": _k3_small}
-DEFAULT_PRESET = "k3-tiny"
-
-
-def preset(name: str) -> K3Config:
-    try:
-        return PRESETS[name]()
-    except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
-
-
-def load_config(source: str | Path) -> K3Config:
-    """A preset name, a config.json path, or a folder holding config.json."""
-    if isinstance(source, str) and source in PRESETS:
-        return preset(source)
-    p = Path(source)
+def read_config(path: str | Path) -> K3Config:
+    """A config.json file, or a folder holding one."""
+    p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        if isinstance(source, str) and "/" not in source and not source.endswith(".json"):
-            raise ConfigError(f"unknown preset {source!r}; known presets: {', '.join(PRESETS)} (or give a folder)")
         raise ConfigError(f"{p}: no such config file")
     try:
         d = json.loads(p.read_text(), parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ConfigError(f"{p}: not readable JSON ({e})") from None
-    return K3Config.from_hf_dict(d, name=str(source))
+    return K3Config.from_hf_dict(d, name=str(path))
 
 
 def _no_constant(name: str):

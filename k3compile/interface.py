@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3compile.config import EXPERT_CHOICES, K3Config, load_config
+from k3compile.config import EXPERT_CHOICES, K3Config, read_config
 from k3compile.errors import UserError
 from k3compile.modes import ACT_QUANT_FLAGS
 
@@ -187,7 +187,7 @@ def open_export(folder: str | Path) -> tuple[dict, K3Config]:
     if sha is not None and sha256_file(cfg_path) != sha:
         raise ExportError(f"{cfg_path}: changed since the export (its sha256 differs from {EXPORT_JSON}'s); "
                           "the graph was built for the original, so export again instead of editing it")
-    cfg = load_config(cfg_path)
+    cfg = read_config(cfg_path)
     if doc["interface"] != GraphInterface.of(cfg).as_record():
         raise ExportError(f"{cfg_path}: its layers do not give the graph interface {EXPORT_JSON} records")
     return doc, cfg

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
-from k3compile.checkpoint import CheckpointError, assemble, convert_experts, load_checkpoint
-from k3compile.config import EXPERT_CHOICES, PRESETS, load_config
+from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
+from k3compile.config import EXPERT_CHOICES
 from k3compile.interface import EXPORT_JSON, MODEL_FILE
 from k3compile.model.k3 import K3ForCausalLM, init_weights
+from k3compile.model.state_dict_adapter import convert_experts
+from k3compile.presets import PRESETS, load_config
 from k3compile.sizing import check_fits
 
 PRESET, CONFIG, CHECKPOINT, EXPORT = "preset", "config", "checkpoint", "export"

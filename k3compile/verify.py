@@ -12,9 +12,10 @@ import dataclasses
 
 import torch
 
-from k3compile.config import K3Config, load_config
+from k3compile.config import K3Config
 from k3compile.generate import left_pad
 from k3compile.interface import ExportError, GraphInterface, flatten
+from k3compile.presets import load_config
 
 __all__ = ["check_model", "check_source", "compare", "worst"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from k3compile.config import preset
 from k3compile.model.k3 import K3ForCausalLM, init_weights
+from k3compile.presets import preset
 
 
 def tiny_model(std: float = 0.1, seed: int = 0, **changes) -> K3ForCausalLM:

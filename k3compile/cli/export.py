@@ -5,16 +5,18 @@ from __future__ import annotations
 import click
 
 from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, dumps, status, user_errors
-from k3compile.config import DEFAULT_PRESET
+from k3compile.config import EXPERT_CHOICES
+from k3compile.modes import ACT_QUANT_FLAGS
+from k3compile.presets import DEFAULT_PRESET
 
 
 @click.command("export")
 @click.argument("source", default=DEFAULT_PRESET)
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
               help="Output folder (created; written through a temporary folder renamed at the end).")
-@click.option("--weights", type=click.Choice(["auto", "mxfp4", "float"]), default="auto", show_default=True,
+@click.option("--weights", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True,
               help="Routed-expert weights in the file: as SOURCE stores them, packed MXFP4, or float.")
-@click.option("--activations", type=click.Choice(["none", "mxfp8", "mxfp8-e5m2"]), default="none",
+@click.option("--activations", type=click.Choice(list(ACT_QUANT_FLAGS)), default="none",
               show_default=True, help="MXFP8 (E4M3, or E5M2) activation quantization in front of the expert matmuls.")
 @click.option("--opset", default=27, show_default=True, type=int, help="Default-domain ONNX opset (>= 27).")
 @click.option("--weight-seed", "weight_seed", default=None, type=SEED,

@@ -7,7 +7,8 @@ from contextlib import nullcontext
 import click
 
 from k3compile.cli.common import SEED, THREADS_HELP, FiniteFloat, dumps, parse_ids, progress, status, user_errors
-from k3compile.config import DEFAULT_PRESET
+from k3compile.config import EXPERT_CHOICES
+from k3compile.presets import DEFAULT_PRESET
 
 
 @click.command("generate")
@@ -24,7 +25,7 @@ from k3compile.config import DEFAULT_PRESET
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
 @click.option("--weight-seed", default=0, show_default=True, type=SEED,
               help="Seed of the random weights when SOURCE is a preset or a config.json (eager backend).")
-@click.option("--experts", type=click.Choice(["auto", "float", "mxfp4"]), default="auto", show_default=True,
+@click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True,
               help="Routed-expert weights (eager backend): as stored, dequantized to float, or quantized to MXFP4.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import click
 
 from k3compile.cli.common import dumps, table_console
-from k3compile.config import PRESETS
+from k3compile.presets import PRESETS
 
 
 @click.command("presets")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(as_json: bool) -> None:
     """List the built-in presets with parameter counts, active parameters per token and stored bytes."""
-    from k3compile.config import preset
+    from k3compile.presets import preset
     from k3compile.sizing import model_size
 
     rows = []

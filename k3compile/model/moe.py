@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from k3compile.config import K3Config
 from k3compile.model.mlp import GatedMLP
 from k3compile.model.norms import RMSNorm
-from k3compile.modes import ActQuant
+from k3compile.modes import ActQuant, ExpertFormat
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
 
@@ -58,7 +58,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         e, d, i = cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size
-        self.mxfp4 = cfg.expert_format == "mxfp4"
+        self.mxfp4 = cfg.expert_format == ExpertFormat.MXFP4
         if self.mxfp4:
             self.register_buffer("w13_packed", torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8))
             self.register_buffer("w13_scale", torch.zeros(e, 2 * i, d // 32, dtype=torch.uint8))

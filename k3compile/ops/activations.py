@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.modes import Activation
+
 
 def situ(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
     g, u = gate.float(), up.float()
@@ -20,8 +22,8 @@ def silu_glu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def glu(gate: Tensor, up: Tensor, act: str, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
-    if act == "situ":
+    if act == Activation.SITU:
         return situ(gate, up, beta, linear_beta)
-    if act == "silu":
+    if act == Activation.SILU:
         return silu_glu(gate, up)
     raise ValueError(f"unknown activation {act!r}")

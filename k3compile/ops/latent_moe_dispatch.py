@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from k3compile.modes import Activation, ActQuant
 from k3compile.ops import mxfp4_matmul
 from k3compile.ops.activations import glu
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul_eager, quantize_activation
@@ -39,10 +40,10 @@ def latent_moe_dispatch_eager(
     w13_scale: Optional[Tensor] = None,
     w2_scale: Optional[Tensor] = None,
     expert_offset: int = 0,
-    activation: str = "situ",
+    activation: str = Activation.SITU.value,
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
-    act_quant: str = "none",
+    act_quant: str = ActQuant.NONE.value,
 ) -> Tensor:
     n_local = w13.shape[0]
     out = torch.zeros(z.shape[0], w2.shape[1], dtype=torch.float32, device=z.device)
@@ -63,8 +64,8 @@ latent_moe_dispatch = torch.library.custom_op("k3::latent_moe_dispatch", latent_
 
 
 @latent_moe_dispatch.register_fake
-def _(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset=0, activation="situ",
-      situ_beta=4.0, situ_linear_beta=25.0, act_quant="none"):
+def _(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset=0, activation=Activation.SITU.value,
+      situ_beta=4.0, situ_linear_beta=25.0, act_quant=ActQuant.NONE.value):
     return z.new_empty((z.shape[0], w2.shape[1]), dtype=torch.float32)
 
 
@@ -145,7 +146,8 @@ def onnx_function(opset: int, mxfp4: bool):
 
 
 def onnx_translation(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None, expert_offset=0,
-                     activation="situ", situ_beta=4.0, situ_linear_beta=25.0, act_quant="none"):
+                     activation=Activation.SITU.value, situ_beta=4.0, situ_linear_beta=25.0,
+                     act_quant=ActQuant.NONE.value):
     from onnxscript.values import Opset
 
     from k3compile.ops.onnx_body import ACT_QUANT_CODES, ACTIVATION_CODES

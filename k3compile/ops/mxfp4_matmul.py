@@ -10,21 +10,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.modes import ActQuant
 from k3compile.ops.spec import OpSpec
 from k3compile.quant.mx import dequantize_mxfp4, fake_quant_mx
 
-ACT_QUANT = ("none", "e4m3", "e5m2")
+ACT_QUANT = tuple(q.value for q in ActQuant)  # none, e4m3, e5m2
 
 
 def quantize_activation(x: Tensor, act_quant: str) -> Tensor:
-    if act_quant == "none":
+    if act_quant == ActQuant.NONE:
         return x.float()
     if act_quant not in ACT_QUANT:
         raise ValueError(f"act_quant must be one of {ACT_QUANT}, got {act_quant!r}")
     return fake_quant_mx(x.float(), act_quant)
 
 
-def mxfp4_matmul_eager(x: Tensor, w_packed: Tensor, w_scale: Tensor, act_quant: str = "none") -> Tensor:
+def mxfp4_matmul_eager(x: Tensor, w_packed: Tensor, w_scale: Tensor, act_quant: str = ActQuant.NONE.value) -> Tensor:
     return quantize_activation(x, act_quant) @ dequantize_mxfp4(w_packed, w_scale).t()
 
 
@@ -32,7 +33,7 @@ mxfp4_matmul = torch.library.custom_op("k3::mxfp4_matmul", mxfp4_matmul_eager, m
 
 
 @mxfp4_matmul.register_fake
-def _(x, w_packed, w_scale, act_quant="none"):
+def _(x, w_packed, w_scale, act_quant=ActQuant.NONE.value):
     return x.new_empty((*x.shape[:-1], w_packed.shape[0]), dtype=torch.float32)
 
 
@@ -62,7 +63,7 @@ def onnx_function(opset: int):
     return b.function(ONNX_NAME, ["x", "w_packed", "w_scale"], ["y"], ["act_quant"], opset, onnx_schema().doc)
 
 
-def onnx_translation(x, w_packed, w_scale, act_quant="none"):
+def onnx_translation(x, w_packed, w_scale, act_quant=ActQuant.NONE.value):
     from onnxscript.values import Opset
 
     from k3compile.ops.onnx_body import ACT_QUANT_CODES

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3compile.config import preset
 from k3compile.model.cache import init_past
 from k3compile.model.kda import KimiDeltaAttention, l2_normalize
 from k3compile.ops.kda_recurrence import kda_chunked, kda_recurrence, kda_recurrent
+from k3compile.presets import preset
 
 # fp32; the oracles sum in other orders. Observed ~2e-7; 1e-5 leaves room for platform BLAS differences.
 TOL = dict(atol=1e-5, rtol=1e-5)

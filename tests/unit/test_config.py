@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from k3compile.config import PRESETS, ConfigError, K3Config, load_config, preset
+from k3compile.config import ConfigError, K3Config
+from k3compile.presets import PRESETS, load_config, preset
 
 
 def test_k3_preset_is_the_published_config():
@@ -94,3 +95,29 @@ def test_malformed_json(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not readable JSON"):
         load_config(tmp_path)
+
+
+def test_reader_defaults_are_the_dataclass_defaults():
+    """One field table: a config.json naming only the required fields reads as the dataclass defaults (the reader
+    once defaulted num_experts, num_experts_per_token and num_shared_experts to 0 against 256 / 8 / 1)."""
+    from k3compile.config import table
+
+    minimal = {"model_type": "kimi_linear", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+               "linear_attn_config": {"full_attn_layers": [2]}}
+    c = K3Config.from_hf_dict(minimal)
+    for f in table():
+        if f.name not in ("vocab_size", "hidden_size", "num_hidden_layers"):
+            assert getattr(c, f.name) == f.default, f.name
+    assert (c.num_experts, c.num_experts_per_token, c.num_shared_experts) == (256, 8, 1)  # transformers' defaults
+
+
+def test_every_table_field_is_written():
+    from k3compile.config import table
+
+    text = preset("k3-tiny").to_hf_dict()["text_config"]
+    for f in table():
+        *outer, key = f.metadata["hf"][0].split(".")
+        node = text
+        for o in outer:
+            node = node[o]
+        assert key in node, f.name

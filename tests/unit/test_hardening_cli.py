@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3compile.backends.eager import EagerBackend
-from k3compile.config import preset
 from k3compile.generate import GenerationError, generate, pick_next
+from k3compile.presets import preset
 from k3compile.source import load_model
 from k3compile.threads import available_cores, default_threads
 

@@ -10,7 +10,8 @@ from hardening import examples, ok_or_one_line_error, one_line_error, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3compile.config import ConfigError, K3Config, load_config, preset
+from k3compile.config import ConfigError, K3Config
+from k3compile.presets import load_config, preset
 
 TINY = preset("k3-tiny").to_hf_dict()
 
@@ -54,7 +55,7 @@ def test_a_json_false_is_false(tmp_path):
     ({"attn_res_block_size": 2.5}, "attn_res_block_size: expected an integer or null"),
     ({"vocab_size": 256.5}, "vocab_size: expected an integer"),
     ({"vocab_size": 2**40}, "vocab_size: 1099511627776 is too large"),
-    ({"hidden_size": None}, "hidden_size: expected an integer"),
+    ({"hidden_size": None}, "hidden_size: expected an integer, got null"),
     ({"qk_rope_head_dim": 0}, "qk_rope_head_dim: must be a positive integer"),
     ({"routed_scaling_factor": "1.0"}, "routed_scaling_factor: expected a number"),
     ({"layer_types": "full_attention"}, None),  # ignored: linear_attn_config decides (and is present)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3compile.config import preset
 from k3compile.model.mla import GatedMLA
 from k3compile.modes import MLAForm
+from k3compile.presets import preset
 
 # fp32, same math reassociated (W_UK folded into q, W_UV applied after the sum): ~1e-7 observed.
 TOL = dict(atol=1e-5, rtol=1e-5)

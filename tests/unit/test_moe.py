@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from k3compile.config import preset
 from k3compile.model.moe import MoE
 from k3compile.model.norms import RMSNorm
 from k3compile.ops.activations import situ
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+from k3compile.presets import preset
 from k3compile.quant.mx import dequantize_mxfp4
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32, different accumulation order only
