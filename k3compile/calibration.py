@@ -1,4 +1,5 @@
-"""Quantile balancing (MODEL.md §4): the router's `e_score_correction_bias` from router scores on sample data.
+"""Quantile balancing (docs/model.md, "Router and latent MoE"): the router's `e_score_correction_bias` from router
+scores on sample data.
 
 For m tokens, n experts and top-k, alternate
     α_i = (1 - k/n)-quantile over experts of (s_i - β)        (per token)

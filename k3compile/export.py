@@ -6,7 +6,7 @@ per layer, outputs `logits [B, T, V]` and the next state. B, T and P are dynamic
 model-local function bodies of standard ops (KDA: opset-27 LinearAttention), so onnxruntime and onnx.reference run
 the file as it is.
 
-Recipe (TOOLCHAIN.md): export at opset 23 with optimize=False (the default optimizer inlines functions and folds
+Recipe (docs/toolchain.md): export at opset 23 with optimize=False (the default optimizer inlines functions and folds
 packed weights into int64), raise the default-domain import to the requested opset (>= 27), fold only tiny
 constants, then append the function bodies. Everything is written through `artifact.ArtifactWriter` (a locked work
 folder renamed into place at the end), so a failed or interrupted export never leaves a half-written OUT, and

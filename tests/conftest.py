@@ -1,4 +1,4 @@
-"""Shared fixtures: a fixed seed per test and the independent KDA oracle (MODEL.md §8)."""
+"""Shared fixtures: a fixed seed per test and the independent KDA oracle (docs/model.md, "How it is checked")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Block Attention Residuals (MODEL.md §6): each sub-layer input is a learned softmax mix over block summaries.
+"""Block Attention Residuals (docs/model.md, "Block Attention Residuals"): each sub-layer input is a learned softmax
+mix over block summaries.
 
 mix(bank, prefix): V = [bank..., prefix] in fp32 [.., N+1, D];
 score_i = Σ_d rmsnorm(V_i)_d · norm.weight_d · q_d   (q: the learned query vector `proj.weight[0]`, no 1/sqrt(D));

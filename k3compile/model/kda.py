@@ -1,4 +1,5 @@
-"""Kimi Delta Attention layer (MODEL.md §2): projections, short causal conv, gates, the k3 recurrence op, output.
+"""Kimi Delta Attention layer (docs/model.md, "Kimi Delta Attention"): projections, short causal conv, gates, the k3
+recurrence op, output.
 
 Checkpoint names: {q,k,v}_proj, {q,k,v}_conv1d [H*K, 1, W], f_a_proj [K, D], f_b_proj [H*K, K], dt_bias [H*K],
 A_log [H], b_proj [H, D], g_proj [H*V, D] (full rank, K3) or g_a_proj [K, D] + g_b_proj [H*V, K], o_norm [V],

@@ -1,4 +1,4 @@
-"""Gated NoPE Multi-head Latent Attention (MODEL.md §3), the full-attention layers.
+"""Gated NoPE Multi-head Latent Attention (docs/model.md, "Gated NoPE MLA"), the full-attention layers.
 
 The cache holds the normalized latent c [B, P, C] and the shared key part k_r [B, P, R] (no rotation: NoPE).
 Two equal forms: `naive` expands the whole cache through kv_b_proj into per-head keys and values; `absorbed`

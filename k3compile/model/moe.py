@@ -1,4 +1,5 @@
-"""Sigmoid router with score-correction bias, and the (Stable Latent) MoE block (MODEL.md §4).
+"""Sigmoid router with score-correction bias, and the (Stable Latent) MoE block (docs/model.md, "Router and latent
+MoE").
 
   s = sigmoid(x W_r^T) (fp32, on the full hidden x); idx = topk(s + bias, k) [within the top groups];
   w = s[idx] (unbiased), renormalized, times routed_scaling_factor.

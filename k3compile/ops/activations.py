@@ -1,4 +1,4 @@
-"""GLU activations of the family: SiLU (Kimi-Linear) and SiTU (K3, MODEL.md §5), both computed in fp32.
+"""GLU activations of the family: SiLU (Kimi-Linear) and SiTU (K3, docs/model.md, "SiTU"), both computed in fp32.
 
 SiTU(g, u) = [β · tanh(g/β) · sigmoid(g)] · [β_lin · tanh(u/β_lin)] with β = 4, β_lin = 25: the cap sits on
 SiLU's linear factor (gate factor in (-0.2698, 4)), and |output| < β · β_lin = 100.

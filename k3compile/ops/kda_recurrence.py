@@ -1,4 +1,5 @@
-"""`k3::kda_recurrence`: the Kimi Delta Attention core (gated delta rule, per-key-channel decay), MODEL.md §2.
+"""`k3::kda_recurrence`: the Kimi Delta Attention core (gated delta rule, per-key-channel decay), docs/model.md, "Kimi
+Delta Attention".
 
 Inputs (all [B, T, H, ·], fp32 compute): q̂ (l2-normalized and scaled by K^-1/2), k̂ (l2-normalized), v,
 g (log-space decay per key channel, <= 0), β [B, T, H], and the past state S [B, H, K, V].
@@ -39,7 +40,8 @@ def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, stat
 def kda_chunked(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = DEFAULT_CHUNK
 ) -> tuple[Tensor, Tensor]:
-    """Chunked form (MODEL.md §2): exact to ~1e-6 against `kda_recurrent`; any T, last chunk may be short."""
+    """Chunked form (docs/model.md, "Kimi Delta Attention"): exact to ~1e-6 against `kda_recurrent`; any T, last chunk
+    may be short."""
     q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))  # [B, H, T, ·]
     s = state.float()
     outs = []

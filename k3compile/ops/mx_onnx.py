@@ -1,4 +1,4 @@
-"""MX formats in standard ONNX ops, for the k3 function bodies (MX.md).
+"""MX formats in standard ONNX ops, for the k3 function bodies (docs/mx.md).
 
 - `dequant_mxfp4`: packed uint8 nibbles + E8M0 bytes -> fp32, by integer nibble split (int32 `& 15`, `/ 16`),
   a 16-entry table and 2^(b-127) scales (Pow(2, integer) is exact in onnxruntime and onnx.reference).

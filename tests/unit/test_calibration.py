@@ -1,4 +1,4 @@
-"""Quantile balancing turns a skewed router into a balanced one (MODEL.md §4)."""
+"""Quantile balancing turns a skewed router into a balanced one (docs/model.md, "Router and latent MoE")."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_float_experts_quantized_on_request(tmp_path):
     e_q = q.model.layers[1].block_sparse_moe.experts
     deq = dequantize_mxfp4(e_q.w13_packed, e_q.w13_scale)
     rel = ((deq - e_float.w13).norm() / e_float.w13.norm()).item()
-    assert 0.08 <= rel <= 0.16  # MXFP4 error on Gaussian weights (MX.md)
+    assert 0.08 <= rel <= 0.16  # MXFP4 error on Gaussian weights (docs/mx.md)
     back = load_checkpoint(tmp_path, experts="float")
     assert torch.equal(_logits(back, IDS), _logits(m, IDS))
 

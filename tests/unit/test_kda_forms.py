@@ -21,7 +21,8 @@ def inputs(b=2, t=37, h=3, k=16, v=8, lower_bound=None, seed=0):
     return q, kk, vv, g, beta, s0
 
 
-# fp32 with different summation orders (T x chunk products vs a sequential scan): ~1e-6 relative (MODEL.md §2).
+# fp32 with different summation orders (T x chunk products vs a sequential scan): ~1e-6 relative (docs/model.md, "Kimi
+# Delta Attention").
 TOL = dict(atol=2e-5, rtol=1e-5)
 
 

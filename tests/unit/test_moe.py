@@ -28,7 +28,7 @@ def test_situ_hand_checked():
     big = situ(torch.full((1,), 50.0), torch.full((1,), 1e4))
     assert 99.0 < big.item() <= 100.0  # |out| < 4 * 25 in exact arithmetic; fp32 rounds tanh(12.5) to 1
     gate_min = situ(torch.linspace(-10, 0, 10001), torch.full((10001,), 1e4)).min() / 25
-    assert -0.2699 < gate_min.item() < -0.2697  # gate factor's minimum -0.2698 (MODEL.md §5)
+    assert -0.2699 < gate_min.item() < -0.2697  # gate factor's minimum -0.2698 (docs/model.md, "SiTU")
 
 
 def _moe(**changes):
@@ -87,7 +87,8 @@ def test_latent_norm_hides_scale_but_partial_sum_does_not():
     doubled = moe.routed_partial(x, idx, w * 2)
     torch.testing.assert_close(doubled, base * 2, **TOL)
     norm = RMSNorm(cfg.latent_size, 1e-12)
-    torch.testing.assert_close(norm(doubled), norm(base), atol=1e-4, rtol=1e-4)  # the trap MODEL.md warns of
+    # the trap of docs/model.md, "Router and latent MoE"
+    torch.testing.assert_close(norm(doubled), norm(base), atol=1e-4, rtol=1e-4)
 
 
 def test_expert_slices_sum_to_the_whole():

@@ -1,4 +1,4 @@
-"""MX formats against an independent reference built on ml_dtypes casts (MX.md), plus the accuracy bounds."""
+"""MX formats against an independent reference built on ml_dtypes casts (docs/mx.md), plus the accuracy bounds."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_mxfp4_pack_roundtrip_matches_reference():
 
 
 def test_accuracy_bounds_prove_quantization_happened():
-    # MX.md: Gaussian MXFP4 weights 0.114 relative Frobenius error, MXFP8-E4M3 0.029.
+    # docs/mx.md: Gaussian MXFP4 weights 0.114 relative Frobenius error, MXFP8-E4M3 0.029.
     x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(3))
     d4 = dequantize_mxfp4(*quantize_mxfp4(x))
     rel4 = ((d4 - x).norm() / x.norm()).item()
@@ -130,7 +130,7 @@ def test_accuracy_bounds_prove_quantization_happened():
 
 @pytest.mark.parametrize("act", ["none", "e4m3", "e5m2"])
 def test_mxfp4_matmul_op_against_reference(act):
-    """k3::mxfp4_matmul against numpy on the ml_dtypes reference's operands (MX.md: rtol 1e-5, atol 1e-5·max|Y|,
+    """k3::mxfp4_matmul against numpy on the ml_dtypes reference's operands (docs/mx.md: rtol 1e-5, atol 1e-5·max|Y|,
     accumulation order only)."""
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn(5, 96, generator=gen), torch.randn(24, 96, generator=gen)
