@@ -22,16 +22,16 @@ PRESET, CONFIG, CHECKPOINT, EXPORT = "preset", "config", "checkpoint", "export"
 
 
 def kind_of(source: str | Path) -> str:
-    """preset, config, checkpoint or export (an unknown name is left to load_config to report)."""
+    """preset, config, checkpoint or export (an unknown name is left to load_config to report). A folder is always a
+    checkpoint or an export: a folder holding a config.json but no weights is a checkpoint missing its weights (an
+    error), never a request for random weights."""
     if isinstance(source, str) and source in PRESETS:
         return PRESET
     p = Path(source)
     if p.is_dir():
-        if any(p.glob("*.safetensors")):
-            return CHECKPOINT
-        if (p / MODEL_FILE).is_file() or (p / EXPORT_JSON).is_file():
+        if not any(p.glob("*.safetensors")) and ((p / MODEL_FILE).is_file() or (p / EXPORT_JSON).is_file()):
             return EXPORT
-        return CHECKPOINT if not (p / "config.json").is_file() else CONFIG
+        return CHECKPOINT
     return CONFIG
 
 

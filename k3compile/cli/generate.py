@@ -16,9 +16,11 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
-@click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference"]), default="eager", show_default=True,
+@click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference", "tvm"]), default="eager",
+              show_default=True,
               help="eager: the PyTorch model; onnx: onnxruntime on an export folder (SOURCE = `k3compile export`'s "
-                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs).")
+                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs); tvm: the export folder "
+                   "compiled by TVM for this CPU (compiled on each run for now; k3 ops run their reference code).")
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
               help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
@@ -50,6 +52,10 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
                 from k3compile.source import load_model
 
                 engine = EagerBackend(load_model(source, seed=weight_seed, experts=experts))
+            elif backend == "tvm":
+                from k3compile.backends.tvm import TvmBackend
+
+                engine = TvmBackend(source)
             else:
                 from k3compile.backends.onnx import OnnxBackend
 

@@ -45,3 +45,18 @@ def function_bodies(opset: int, used: set[str]) -> list:
             need.add(name)
             todo += calls.get(name, ())
     return [make(opset) for s in SPECS for name, make in s.bodies.items() if name in need]
+
+
+def tvm_converters() -> dict:
+    """ONNX node name -> converter(bb, inputs, attrs) emitting the Relax call of the op's extern symbol."""
+    return {name: conv for s in SPECS for name, conv in s.tvm_converters.items()}
+
+
+def register_tvm_references() -> list[str]:
+    """Register each op's reference implementation (the eager op) under its extern symbol; returns the symbols."""
+    import tvm
+
+    for s in SPECS:
+        for symbol, fn in s.tvm_references.items():
+            tvm.register_global_func(symbol, fn, override=True)
+    return [symbol for s in SPECS for symbol in s.tvm_references]

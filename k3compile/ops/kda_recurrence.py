@@ -147,4 +147,26 @@ def onnx_translation(q, k, v, g, beta, initial_state=None, chunk_size=DEFAULT_CH
                                                _outputs=2)
 
 
-SPEC = OpSpec("k3::kda_recurrence", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation)
+# ---- TVM: the node becomes a call of the extern `k3.kda_recurrence` (o [B,T,H,V], present [B,H,K,V]) --------------
+TVM_SYMBOL = "k3.kda_recurrence"
+
+
+def tvm_convert(bb, inputs, attrs):
+    from tvm import relax
+
+    q, k, v, g, beta, state = (list(inputs) + [None] * 6)[:6]
+    if state is None:  # the optional initial state: zeros [B, H, K, V]
+        qs, vs = q.ty.shape, v.ty.shape
+        state = bb.normalize(relax.op.zeros(relax.ShapeExpr([qs[0], qs[2], qs[3], vs[3]]), "float32"))
+    return relax.call_dps_packed(TVM_SYMBOL, [q, k, v, g, beta, state], [v.ty, state.ty])
+
+
+def tvm_reference(q, k, v, g, beta, state, o, present):
+    """The eager op behind the extern symbol (destination-passing: writes o and present)."""
+    out, s = kda_recurrence(*(torch.from_dlpack(t) for t in (q, k, v, g, beta, state)))
+    torch.from_dlpack(o).copy_(out)
+    torch.from_dlpack(present).copy_(s)
+
+
+SPEC = OpSpec("k3::kda_recurrence", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation,
+              tvm_converters={ONNX_NAME: tvm_convert}, tvm_references={TVM_SYMBOL: tvm_reference})

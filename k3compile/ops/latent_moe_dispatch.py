@@ -161,9 +161,46 @@ def onnx_translation(z, topk_idx, topk_w, w13, w2, w13_scale=None, w2_scale=None
     return getattr(k3, ONNX_NAME)(z, topk_idx, topk_w, w13, w2, **attrs)
 
 
+# ---- TVM: the node becomes a call of the extern `k3.latent_moe_dispatch` (y [N, D]) with its attributes ----------
+TVM_SYMBOL = "k3.latent_moe_dispatch"
+
+
+def tvm_convert(bb, inputs, attrs):
+    import tvm
+    from tvm import relax
+
+    from k3compile.ops.onnx_body import ACT_QUANT_CODES, ACTIVATION_CODES
+
+    act = {c: name for name, c in ACTIVATION_CODES.items()}
+    aq = {c: name for name, c in ACT_QUANT_CODES.items()}
+    z, idx, w, w13, w2 = inputs[:5]
+    scales = list(inputs[5:7]) if len(inputs) >= 7 else []
+    args = [z, idx, w, w13, w2, *scales,
+            relax.prim_value(tvm.tirx.IntImm("int64", int(attrs["expert_offset"]))),
+            tvm.ir.StringImm(act[int(attrs["activation"])]),
+            relax.prim_value(tvm.tirx.FloatImm("float64", float(attrs["situ_beta"]))),
+            relax.prim_value(tvm.tirx.FloatImm("float64", float(attrs["situ_linear_beta"]))),
+            tvm.ir.StringImm(aq[int(attrs["act_quant"])])]
+    out = relax.TensorType([z.ty.shape[0], w2.ty.shape[1]], "float32")
+    return relax.call_dps_packed(TVM_SYMBOL + ("_mxfp4" if scales else ""), args, out)
+
+
+def _tvm_reference(mxfp4: bool):
+    def run(*args):
+        t = [torch.from_dlpack(a) for a in args[:7 if mxfp4 else 5]]
+        offset, activation, beta, lin, act_quant, y = args[7 if mxfp4 else 5:]
+        w13_scale, w2_scale = (t[5], t[6]) if mxfp4 else (None, None)
+        torch.from_dlpack(y).copy_(latent_moe_dispatch(*t[:5], w13_scale, w2_scale, offset, activation, beta, lin,
+                                                       act_quant))
+
+    return run
+
+
 SPEC = OpSpec(
     "k3::latent_moe_dispatch", onnx_schemas,
     {ONNX_NAME: lambda opset: onnx_function(opset, mxfp4=False),
      ONNX_NAME_MXFP4: lambda opset: onnx_function(opset, mxfp4=True)},
     onnx_translation, calls={ONNX_NAME_MXFP4: (mxfp4_matmul.ONNX_NAME,)},
+    tvm_converters={ONNX_NAME: tvm_convert, ONNX_NAME_MXFP4: tvm_convert},
+    tvm_references={TVM_SYMBOL: _tvm_reference(False), TVM_SYMBOL + "_mxfp4": _tvm_reference(True)},
 )

@@ -71,4 +71,30 @@ def onnx_translation(x, w_packed, w_scale, act_quant=ActQuant.NONE.value):
     return getattr(Opset("k3", 1), ONNX_NAME)(x, w_packed, w_scale, act_quant=ACT_QUANT_CODES[act_quant])
 
 
-SPEC = OpSpec("k3::mxfp4_matmul", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation)
+# ---- TVM: the node becomes a call of the extern `k3.mxfp4_matmul` (y [..., M, N]) -----------------------------------
+TVM_SYMBOL = "k3.mxfp4_matmul"
+
+
+def tvm_convert(bb, inputs, attrs):
+    import tvm
+    from tvm import relax
+
+    from k3compile.ops.onnx_body import ACT_QUANT_CODES
+
+    x, packed, scale = inputs
+    if len(packed.ty.shape) != 2:
+        raise NotImplementedError("MXFP4MatMul with a stacked (rank > 2) weight has no TVM converter yet")
+    codes = {c: name for name, c in ACT_QUANT_CODES.items()}
+    xs = x.ty.shape  # a ShapeExpr indexes but does not slice
+    out = relax.TensorType([xs[i] for i in range(len(xs) - 1)] + [packed.ty.shape[0]], "float32")
+    return relax.call_dps_packed(TVM_SYMBOL, [x, packed, scale, tvm.ir.StringImm(codes[attrs.get("act_quant", 0)])],
+                                 out)
+
+
+def tvm_reference(x, packed, scale, act_quant, y):
+    torch.from_dlpack(y).copy_(mxfp4_matmul(torch.from_dlpack(x), torch.from_dlpack(packed),
+                                            torch.from_dlpack(scale), act_quant))
+
+
+SPEC = OpSpec("k3::mxfp4_matmul", lambda: [onnx_schema()], {ONNX_NAME: onnx_function}, onnx_translation,
+              tvm_converters={ONNX_NAME: tvm_convert}, tvm_references={TVM_SYMBOL: tvm_reference})

@@ -15,6 +15,11 @@ class OpSpec:
     bodies: dict[str, Callable[[int], object]]  # ONNX node name -> builder(opset) of its standard-op FunctionProto
     translation: Callable  # torch.onnx custom translation: the op's arguments -> a k3 node
     calls: dict[str, tuple[str, ...]] = field(default_factory=dict)  # node name -> k3 nodes inside its body
+    # TVM: ONNX node name -> converter(bb, inputs, attrs) emitting a Relax call of the extern symbol `k3.<op>`
+    # (frontend.py), and extern symbol -> the reference implementation registered under that name (the eager
+    # op through DLPack) until a lowering pass replaces the call with a TIR kernel (docs/architecture.md).
+    tvm_converters: dict[str, Callable] = field(default_factory=dict)
+    tvm_references: dict[str, Callable] = field(default_factory=dict)
 
     @property
     def onnx_names(self) -> tuple[str, ...]:

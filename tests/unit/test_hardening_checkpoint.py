@@ -149,3 +149,10 @@ def test_corrupted_checkpoint_loads_or_is_one_error(tmp_path_factory, saved, c):
     r = run("generate", folder, "--max-new-tokens", "2", "--json", "--quiet")
     if ok_or_one_line_error(r):
         assert len(json.loads(r.output)["tokens"][0]) == 2
+
+
+def test_a_folder_without_weights_is_an_error_not_random_weights(tmp_path, saved):
+    (tmp_path / "config.json").write_text((saved[0] / "config.json").read_text())  # the weights were not copied
+    one_line_error(run("generate", tmp_path), "no *.safetensors weights found")
+    # the config.json itself, named as a file, is a request for seeded random weights
+    assert run("generate", tmp_path / "config.json", "--max-new-tokens", "1").exit_code == 0

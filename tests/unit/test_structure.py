@@ -114,7 +114,8 @@ def test_leaves_stay_leaves():
     assert not any(d.startswith("k3compile.model") for d in graph["k3compile.interface"])
 
 
-@pytest.mark.parametrize("module", ["k3compile.backends.onnx", "k3compile.interface"])
+@pytest.mark.parametrize("module", ["k3compile.backends.onnx", "k3compile.interface", "k3compile.backends.tvm",
+                                    "k3compile.frontend"])
 def test_importing_leaves_the_model_out(module):
     code = (f"import sys, {module}\n"
             "bad = sorted(m for m in sys.modules if m.startswith('k3compile.model'))\n"

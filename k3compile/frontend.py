@@ -1,0 +1,99 @@
+"""ONNX -> TVM Relax: the k3 graph imported with its symbolic batch / sequence / past dims (docs/architecture.md,
+"The compile path").
+
+TVM's ONNX importer has no hook for custom converters and looks ops up by name only, so `to_relax` wraps the
+module-level `_get_convert_map()` for the duration of one import (restored after, even on error) with:
+- a converter for every k3 node, taken from the op registry (`OpSpec.tvm_converters`): each emits a Relax call of
+  the op's extern symbol `k3.<op>` with the node's attributes as arguments;
+- two fixes for standard ops as torch.export writes them, where the 0.27 importer loses a shape (and fails later on
+  a Reshape of a tensor of unknown shape):
+  * `Reshape` of a scalar taken from a shape (Shape -> Squeeze -> Sub): the importer keeps such a scalar as a
+    symbolic PrimExpr but its Reshape takes only tensors; the scalar becomes a one-element shape value, which stays
+    symbolic, instead.
+  * `Slice` with an "until the end" bound (INT64_MAX) and a symbolic start: the importer assumes in-bound indices,
+    so the extent came out as INT64_MAX - start; the bound becomes the dimension itself.
+Model-local function bodies are never read (the k3 converters replace them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from k3compile.interface import ExportError
+
+INT64_OPEN = 2**62  # a Slice end at least this large means "to the end of the axis"
+
+
+def _fixed_converters(base: dict) -> dict:
+    import tvm
+    from tvm import relax
+
+    reshape, slice_ = base["Reshape"], base["Slice"]
+
+    class Reshape(reshape):
+        @classmethod
+        def _impl_v13(cls, bb, inputs, attr, params):
+            data = inputs[0]
+            if isinstance(getattr(data, "ty", None), tvm.ir.PrimType):  # a scalar computed from a shape
+                inputs = [relax.ShapeExpr([data]), *inputs[1:]]
+            return reshape._impl_v13(bb, inputs, attr, params)
+
+    class Slice(slice_):
+        @classmethod
+        def _impl_v13(cls, bb, inputs, attr, params):
+            data, ends = inputs[0], inputs[2]
+            axes = inputs[3] if len(inputs) > 3 else None
+            shape = getattr(getattr(data, "ty", None), "shape", None)
+            if isinstance(ends, tvm.ir.GenericConst) and shape is not None:
+                e = ends.value.numpy().tolist()
+                if any(v >= INT64_OPEN for v in e):
+                    ax = axes.value.numpy().tolist() if isinstance(axes, tvm.ir.GenericConst) else list(range(len(e)))
+                    dims = [shape[a % len(shape)] if v >= INT64_OPEN else tvm.tirx.IntImm("int64", v)
+                            for v, a in zip(e, ax)]
+                    inputs = [inputs[0], inputs[1], relax.ShapeExpr(dims), *inputs[3:]]
+            return slice_._impl_v13(bb, inputs, attr, params)
+
+    return {"Reshape": Reshape, "Slice": Slice}
+
+
+def _k3_converters() -> dict:
+    from tvm.relax.frontend.onnx import onnx_frontend as ofe
+
+    from k3compile.ops import tvm_converters
+
+    def converter(name, convert):
+        def impl(cls, bb, inputs, attr, params):
+            return convert(bb, inputs, attr)
+
+        return type(name, (ofe.OnnxOpConverter,), {"_impl_v1": classmethod(impl)})
+
+    return {name: converter(name, convert) for name, convert in tvm_converters().items()}
+
+
+@contextlib.contextmanager
+def k3_frontend():
+    """The importer's convert map with the k3 converters and the fixes, for the duration of the block."""
+    from tvm.relax.frontend.onnx import onnx_frontend as ofe
+
+    original = ofe._get_convert_map
+    extra = {**_fixed_converters(original()), **_k3_converters()}
+    ofe._get_convert_map = lambda: {**original(), **extra}
+    try:
+        yield
+    finally:
+        ofe._get_convert_map = original
+
+
+def to_relax(model_proto):
+    """The Relax IRModule of a k3 ONNX ModelProto: `main(input_ids, attention_mask, past...)` with symbolic batch,
+    seq and past, weights as constants, each k3 node a call of its extern symbol."""
+    import tvm
+    from tvm.relax.frontend.onnx import from_onnx
+
+    with k3_frontend(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return from_onnx(model_proto)
+        except tvm.error.OpNotImplemented as e:
+            raise ExportError(f"TVM cannot import this graph: {str(e).splitlines()[0]}") from None
