@@ -9,6 +9,7 @@ rebuilding a model other than the exported one.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -74,4 +75,5 @@ def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]
 
 
 def worst(rows: list[dict]) -> dict:
-    return max(rows, key=lambda r: r["max_abs"])
+    """The row with the largest max_abs, a NaN row before any (max() alone never picks a NaN after a number)."""
+    return max(rows, key=lambda r: (math.isnan(r["max_abs"]), r["max_abs"]))

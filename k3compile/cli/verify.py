@@ -43,5 +43,7 @@ def command(folder, reference, tolerance, decode_steps, source_override, threads
                           "ok" if ok else "FAIL")
         table_console().print(table)
     if failed:
+        from k3compile.verify import worst
+
         raise click.ClickException(f"{len(failed)} output(s) past tolerance {tolerance:g}; worst "
-                                   f"{max(r['max_abs'] for r in failed):.2e}")
+                                   f"{worst(failed)['max_abs']:.2e}")

@@ -7,6 +7,7 @@ it (writing, checker, the parity run, the rename) runs for real."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -116,9 +117,16 @@ def test_parity_past_tolerance_or_nan_fails_and_writes_nothing(tmp_path, fast_tr
     import k3compile.verify as verify
 
     real = verify.compare
-    monkeypatch.setattr(verify, "compare", lambda *a, **k: [dict(r, max_abs=float("nan")) for r in real(*a, **k)])
+
+    def one_nan(*a, **k):  # a single NaN among finite rows (max() alone would never pick it)
+        rows = real(*a, **k)
+        rows[len(rows) // 2] = dict(rows[len(rows) // 2], max_abs=float("nan"))
+        return rows
+
+    monkeypatch.setattr(verify, "compare", one_nan)
     one_line_error(run("export", "-o", tmp_path / "out"), "onnxruntime differs from eager by nan")
     assert os.listdir(tmp_path) == []
+    assert math.isnan(verify.worst([{"max_abs": 1.0}, {"max_abs": float("nan")}, {"max_abs": 2.0}])["max_abs"])
     r = run("export", "-o", tmp_path / "out", "--no-verify", "--json")  # the check can be skipped
     assert r.exit_code == 0 and "parity" not in json.loads(r.output)
 

@@ -57,8 +57,8 @@ def test_relax_module_keeps_dims_symbolic_and_k3_nodes_as_calls(tvm_tiny):
 def test_tvm_equals_eager_prefill_and_decode(tvm_tiny):
     model, backend = tvm_tiny
     rows = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=3, prompts=PROMPTS)
-    worst = max(rows, key=lambda r: r["max_abs"])
-    assert worst["max_abs"] <= ATOL, worst
+    bad = [r for r in rows if not r["max_abs"] <= ATOL]  # a NaN row fails too
+    assert not bad, bad[:3]
     assert {r["output"] for r in rows} >= {"logits", "present.0.recurrent_state", "present.6.k_rope"}
 
 
