@@ -1,10 +1,11 @@
 """An export folder compiled by TVM behind the step protocol (docs/architecture.md, "The compile path").
 
 `TvmBackend(folder, target="llvm")` checks the folder like every reader (interface.open_export, check_graph),
-imports model.onnx into Relax (frontend.to_relax), compiles it for the target and runs it in the Relax VM. The
-standard ops are TVM's kernels; each k3 op is still a call of its extern symbol, served by the op's reference
-implementation (the eager op, registered by ops.register_tvm_references) until the lowering passes replace those
-calls with TIR kernels. No model code is imported.
+imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: the KDA recurrence
+becomes a TIR kernel), compiles for the target and runs it in the Relax VM. The standard ops are TVM's kernels; the
+k3 ops without a kernel yet (the MoE dispatch, the MXFP4 matmul) stay calls of their extern symbols, served by the
+ops' reference implementations (the eager ops, registered by ops.register_tvm_references). No model code is
+imported.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class TvmBackend:
 
         from k3compile.frontend import to_relax
         from k3compile.ops import register_tvm_references
+        from k3compile.passes import run_phases
 
         folder = Path(folder)
         if not (folder / MODEL_FILE).is_file():
@@ -37,7 +39,7 @@ class TvmBackend:
         self.name = f"tvm-{target}"
         register_tvm_references()
         t0 = time.perf_counter()
-        self.mod = to_relax(onnx.load(str(folder / MODEL_FILE)))
+        self.mod = run_phases(to_relax(onnx.load(str(folder / MODEL_FILE))))
         self.executable = tvm.compile(self.mod, target=target)
         self.compile_s = time.perf_counter() - t0
         self.device = tvm.cpu()
