@@ -1,10 +1,13 @@
 """Phase 1: lower the extern calls of k3 ops to TIR kernels (docs/architecture.md, "The compile path").
 
-The frontend leaves each k3 node as `R.call_dps_packed("k3.<op>", args, out_ty)`. For every symbol with a kernel
-factory, this pass replaces the call with `R.call_tir` of a PrimFunc built for the call's static sizes (one
-PrimFunc per distinct size set, added to the module once); calls without a kernel stay extern (served by the op's
-reference implementation). A factory takes the call's argument types and returns a PrimFunc, or None when it cannot
-specialize (a size that is not static), leaving that call alone.
+The frontend leaves each k3 node as `R.call_dps_packed("k3.<op>", args, out_ty)`, its attributes among the
+arguments. For every symbol with a kernel factory, this pass replaces the call with `R.call_tir` of a PrimFunc built
+for the call's static sizes and attributes (one PrimFunc per distinct key, added to the module once); calls without a
+kernel, or that a factory declines (a size that is not static, an attribute the kernel does not cover), stay extern
+(served by the op's reference implementation).
+
+A factory takes the call's argument expressions and returns (key, make, tensor_args) or None: `key` names the
+specialization, `make()` builds the PrimFunc, `tensor_args` are the arguments the kernel takes.
 """
 
 from __future__ import annotations
@@ -18,18 +21,46 @@ def _static(dim) -> int | None:
     return int(dim) if isinstance(dim, tvm.tirx.IntImm) else None
 
 
-def kda_factory(arg_types):
+def _value(expr):
+    """The Python value of a constant attribute argument (an IntImm / FloatImm / StringImm), else None."""
+    import tvm
+
+    if isinstance(expr, tvm.ir.StringImm):
+        return expr.value
+    if isinstance(expr, (tvm.tirx.IntImm, tvm.tirx.FloatImm)):
+        return expr.value
+    return None
+
+
+def kda_factory(args):
     """k3.kda_recurrence(q, k, v, g, beta, state): specialized to (H, K, V)."""
     from k3compile.kernels.kda import kda_recurrence_kernel
 
-    q, v = arg_types[0].shape, arg_types[2].shape
+    q, v = args[0].ty.shape, args[2].ty.shape
     sizes = (_static(q[2]), _static(q[3]), _static(v[3]))
     if None in sizes:
-        return None, None
-    return sizes, lambda: kda_recurrence_kernel(*sizes)
+        return None
+    return sizes, lambda: kda_recurrence_kernel(*sizes), list(args)
 
 
-KERNELS: dict[str, Callable] = {"k3.kda_recurrence": kda_factory}
+def moe_mxfp4_factory(args):
+    """k3.latent_moe_dispatch_mxfp4(z, idx, w, w13, w2, s13, s2, offset, activation, beta, linear_beta, act_quant):
+    specialized to (E, I, D, offset, activation, betas); MXFP8 activation quantization is not in the kernel."""
+    from k3compile.kernels.moe import moe_mxfp4_kernel
+
+    tensors, attrs = list(args[:7]), [_value(a) for a in args[7:]]
+    w13 = tensors[3].ty.shape
+    sizes = (_static(w13[0]), _static(w13[1]), _static(tensors[0].ty.shape[1]))
+    if None in sizes or None in attrs or attrs[4] != "none" or sizes[1] % 64 or sizes[2] % 32:
+        return None
+    experts, inter, width = sizes[0], sizes[1] // 2, sizes[2]
+    offset, activation, beta, linear_beta = int(attrs[0]), attrs[1], float(attrs[2]), float(attrs[3])
+    key = (experts, inter, width, offset, activation, beta, linear_beta)
+    return key, lambda: moe_mxfp4_kernel(experts, inter, width, offset, activation == "situ", beta,
+                                         linear_beta), tensors
+
+
+KERNELS: dict[str, Callable] = {"k3.kda_recurrence": kda_factory, "k3.latent_moe_dispatch_mxfp4": moe_mxfp4_factory}
 
 
 def lower_k3_calls(kernels: dict[str, Callable] | None = None):
@@ -52,17 +83,15 @@ def lower_k3_calls(kernels: dict[str, Callable] | None = None):
             if not (call.op.same_as(call_dps) and isinstance(call.args[0], relax.ExternFunc)):
                 return call
             symbol = call.args[0].global_symbol
-            if symbol not in kernels:
+            made = kernels[symbol](list(call.args[1].fields)) if symbol in kernels else None
+            if made is None:
                 return call
-            args = call.args[1]
-            key, make = kernels[symbol]([a.ty for a in args.fields])
-            if key is None:
-                return call
+            key, make, tensor_args = made
             if (symbol, key) not in self.added:
-                name = symbol.replace(".", "_") + "_" + "_".join(map(str, key))
+                name = "_".join([symbol.replace(".", "_"), *(str(k).replace(".", "p") for k in key)])
                 self.added[(symbol, key)] = self.builder_.add_func(make().with_attr("global_symbol", name), name)
             out = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else call.ty
-            return relax.call_tir(self.added[(symbol, key)], args, out_ty=out)
+            return relax.call_tir(self.added[(symbol, key)], relax.Tuple(tensor_args), out_ty=out)
 
     @tvm.transform.module_pass(opt_level=0, name="LowerK3Calls")
     def lower(mod, ctx):

@@ -1,11 +1,10 @@
 """An export folder compiled by TVM behind the step protocol (docs/architecture.md, "The compile path").
 
 `TvmBackend(folder, target="llvm")` checks the folder like every reader (interface.open_export, check_graph),
-imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: the KDA recurrence
-becomes a TIR kernel), compiles for the target and runs it in the Relax VM. The standard ops are TVM's kernels; the
-k3 ops without a kernel yet (the MoE dispatch, the MXFP4 matmul) stay calls of their extern symbols, served by the
-ops' reference implementations (the eager ops, registered by ops.register_tvm_references). No model code is
-imported.
+imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: the KDA recurrence and
+the MXFP4 MoE dispatch become TIR kernels), compiles for the target and runs it in the Relax VM. k3 calls no kernel
+covers yet (float experts, MXFP8 activations) stay calls of their extern symbols, served by the ops' reference
+implementations (the eager ops, registered by ops.register_tvm_references). No model code is imported.
 """
 
 from __future__ import annotations

@@ -88,3 +88,79 @@ def test_pass_lowers_static_kda_calls_and_leaves_the_rest():
     assert 'call_dps_packed("k3.unknown"' in lowered  # no kernel: stays extern
     symbolic = str(run_phases(_module(tvm.tirx.Var("h", "int64")))["main"])
     assert 'call_dps_packed("k3.kda_recurrence"' in symbolic  # a head count that is not static: left alone
+
+
+# ---- the MoE dispatch with MXFP4 experts ----------------------------------------------------------------------------
+
+def _moe_inputs(n, d, i, e, k, high, seed):
+    from k3compile.quant.mx import quantize_mxfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=gen)
+    idx = torch.randint(0, high, (n, k), generator=gen)
+    w = torch.rand(n, k, generator=gen)
+    (w13, s13), (w2, s2) = (quantize_mxfp4(torch.randn(e, 2 * i, d, generator=gen) * 0.1),
+                            quantize_mxfp4(torch.randn(e, d, i, generator=gen) * 0.1))
+    return [z, idx, w, w13, w2, s13, s2]
+
+
+def _run_moe(args, e, i, d, offset, activation):
+    from k3compile.kernels.moe import moe_mxfp4_kernel
+
+    f = moe_mxfp4_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0).with_attr("global_symbol", "main")
+    y = tvm.runtime.empty((args[0].shape[0], d), "float32")
+    tvm.compile(tvm.IRModule({"main": f}), target="llvm")["main"](*[tvm.runtime.tensor(x.numpy()) for x in args], y)
+    return y.numpy()
+
+
+@pytest.mark.parametrize("n,d,i,e,k,offset,activation", [
+    (1, 32, 32, 8, 2, 0, "situ"),     # one decoded token
+    (5, 32, 64, 4, 2, 0, "situ"),
+    (3, 64, 32, 3, 3, 2, "silu"),     # a slice [2, 5): tokens routed to 0, 1, 5, 6 weigh zero
+])
+def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    args = _moe_inputs(n, d, i, e, k, high=offset + e + 2, seed=n + offset)
+    want = latent_moe_dispatch(*args, offset, activation, 4.0, 25.0, "none").numpy()
+    # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
+    np.testing.assert_allclose(_run_moe(args, e, i, d, offset, activation), want, rtol=0, atol=1e-5)
+
+
+def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    args = _moe_inputs(2, 32, 32, 2, 2, high=2, seed=7)
+    args[1] = torch.tensor([[0, 1], [1, 1]])
+    args[5] = args[5].clone()
+    args[5][0, 0, 0] = 0xFF  # expert 0's first gate row: a NaN block
+    got = _run_moe(args, 2, 32, 32, 0, "situ")
+    want = latent_moe_dispatch(*args, 0, "situ", 4.0, 25.0, "none").numpy()
+    assert np.isnan(got[0]).all() and np.isnan(want[0]).all()  # token 0 uses expert 0
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5)  # token 1 does not
+
+
+def test_pass_lowers_the_moe_unless_activations_are_quantized():
+    from k3compile.passes import run_phases
+    from tvm import relax
+
+    def module(act_quant):
+        n = tvm.tirx.Var("n", "int64")
+        ts = [("z", [n, 32], "float32"), ("idx", [n, 2], "int64"), ("w", [n, 2], "float32"),
+              ("w13", [4, 64, 16], "uint8"), ("w2", [4, 32, 16], "uint8"), ("s13", [4, 64, 1], "uint8"),
+              ("s2", [4, 32, 1], "uint8")]
+        ps = [relax.Var(name, relax.TensorType(shape, dt)) for name, shape, dt in ts]
+        attrs = [relax.prim_value(tvm.tirx.IntImm("int64", 0)), tvm.ir.StringImm("situ"),
+                 relax.prim_value(tvm.tirx.FloatImm("float64", 4.0)),
+                 relax.prim_value(tvm.tirx.FloatImm("float64", 25.0)), tvm.ir.StringImm(act_quant)]
+        bb = relax.BlockBuilder()
+        with bb.function("main", ps):
+            with bb.dataflow():
+                out = bb.emit(relax.call_dps_packed("k3.latent_moe_dispatch_mxfp4", [*ps, *attrs],
+                                                    relax.TensorType([n, 32], "float32")))
+                gv = bb.emit_output(out)
+            bb.emit_func_output(gv)
+        return str(run_phases(bb.get())["main"])
+
+    assert "call_dps_packed" not in module("none") and "k3_latent_moe_dispatch_mxfp4_4_32_32_0_situ" in module("none")
+    assert 'call_dps_packed("k3.latent_moe_dispatch_mxfp4"' in module("e4m3")  # MXFP8: stays on the reference
