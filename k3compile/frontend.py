@@ -85,15 +85,43 @@ def k3_frontend():
         ofe._get_convert_map = original
 
 
-def to_relax(model_proto):
+def _integer_initializers_as_constants(model_proto):
+    """A copy whose int64 initializers (shapes, indices, axes) are Constant nodes: lifted to parameters they would
+    no longer be constants to the importer, and every Reshape to such a shape would lose its shape."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model_proto)
+    ints = [i for i in m.graph.initializer if i.data_type == TensorProto.INT64]
+    weights = [i for i in m.graph.initializer if i.data_type != TensorProto.INT64]
+    nodes = [helper.make_node("Constant", [], [i.name], value=i) for i in ints] + list(m.graph.node)
+    del m.graph.initializer[:]
+    m.graph.initializer.extend(weights)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
+def to_relax(model_proto, keep_params: bool = False):
     """The Relax IRModule of a k3 ONNX ModelProto: `main(input_ids, attention_mask, past...)` with symbolic batch,
-    seq and past, weights as constants, each k3 node a call of its extern symbol."""
+    seq and past, each k3 node a call of its extern symbol. The weights are constants in the module, or with
+    `keep_params` parameters after the graph inputs: then returns (module, weight names, weight tensors)."""
     import tvm
+    from tvm.relax.frontend import detach_params
     from tvm.relax.frontend.onnx import from_onnx
 
+    if keep_params:
+        model_proto = _integer_initializers_as_constants(model_proto)
     with k3_frontend(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return from_onnx(model_proto)
+            mod = from_onnx(model_proto, keep_params_in_input=keep_params)
         except tvm.error.OpNotImplemented as e:
             raise ExportError(f"TVM cannot import this graph: {str(e).splitlines()[0]}") from None
+    if not keep_params:
+        return mod
+    mod, params = detach_params(mod)
+    main = mod["main"]
+    names = [p.name for p in main.params[int(main.attrs["num_input"]):]]
+    return mod, names, list(params["main"])

@@ -125,8 +125,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_json(path: Path, doc: dict) -> None:
+    Path(path).write_text(dump_json(doc))
+
+
 def write_record(folder: Path, doc: dict) -> None:
-    (Path(folder) / EXPORT_JSON).write_text(dump_json(doc))
+    write_json(Path(folder) / EXPORT_JSON, doc)
 
 
 def _record_error(folder: Path, what: str) -> ExportError:

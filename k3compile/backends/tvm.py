@@ -1,6 +1,9 @@
-"""An export folder compiled by TVM behind the step protocol (docs/architecture.md, "The compile path").
+"""An export folder compiled by TVM, or a compiled artifact, behind the step protocol (docs/architecture.md, "The
+compile path").
 
-`TvmBackend(folder, target="llvm")` checks the folder like every reader (interface.open_export, check_graph),
+`TvmBackend(artifact)` loads `k3compile compile`'s OUT after checking its manifest (compile.read_manifest: every
+file's sha256) and passes the weights as parameters. `TvmBackend(export_folder, target="llvm")` checks the folder
+like every reader (interface.open_export, check_graph),
 imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: the KDA recurrence and
 the MXFP4 MoE dispatch become TIR kernels), compiles for the target and runs it in the Relax VM. k3 calls no kernel
 covers yet (float experts, MXFP8 activations) stay calls of their extern symbols, served by the ops' reference
@@ -15,35 +18,84 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.interface import MODEL_FILE, ExportError, Past, check_graph, flatten, init_past, open_export, unflatten
+from k3compile.interface import (
+    MODEL_FILE,
+    ExportError,
+    GraphInterface,
+    Past,
+    check_graph,
+    flatten,
+    init_past,
+    open_export,
+    unflatten,
+)
 
 
 class TvmBackend:
+    """`folder`: an export folder (compiled here, in memory) or a compiled artifact (`k3compile compile`'s OUT,
+    loaded after its manifest and every file's sha256 are checked)."""
+
     def __init__(self, folder: str | Path, target: str = "llvm") -> None:
-        import onnx
         import tvm
         from tvm import relax
 
-        from k3compile.frontend import to_relax
+        from k3compile.compile import MANIFEST, check_target
         from k3compile.ops import register_tvm_references
-        from k3compile.passes import run_phases
 
         folder = Path(folder)
+        check_target(target)
+        register_tvm_references()
+        self.device = tvm.cpu()
+        self._tensor = tvm.runtime.tensor
+        t0 = time.perf_counter()
+        if (folder / MANIFEST).is_file():
+            self._load_artifact(folder)
+        else:
+            self._compile_export(folder, target)
+        self.compile_s = time.perf_counter() - t0
+        self._vm = relax.VirtualMachine(self.executable, self.device)
+
+    def _compile_export(self, folder: Path, target: str) -> None:
+        import onnx
+        import tvm
+
+        from k3compile.frontend import to_relax
+        from k3compile.passes import run_phases
+
         if not (folder / MODEL_FILE).is_file():
             raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
         self.record, self.config = open_export(folder)
         check_graph(folder / MODEL_FILE, self.config)
-        if target != "llvm":
-            raise ExportError(f"target {target!r}: only llvm (this CPU) is supported so far")
         self.name = f"tvm-{target}"
-        register_tvm_references()
-        t0 = time.perf_counter()
         self.mod = run_phases(to_relax(onnx.load(str(folder / MODEL_FILE))))
         self.executable = tvm.compile(self.mod, target=target)
-        self.compile_s = time.perf_counter() - t0
-        self.device = tvm.cpu()
-        self._vm = relax.VirtualMachine(self.executable, self.device)
-        self._tensor = tvm.runtime.tensor
+        self._params: list = []
+
+    def _load_artifact(self, folder: Path) -> None:
+        import tvm
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
+        from k3compile.config import read_config
+
+        self.manifest = read_manifest(folder)
+        self.config = read_config(folder / "config.json")
+        if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
+            raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
+        self.name = f"tvm-{self.manifest['target']}"
+        try:
+            weights = load_file(str(folder / WEIGHTS))
+        except (SafetensorError, OSError) as e:
+            raise ExportError(f"{folder / WEIGHTS}: unreadable ({e})") from None
+        missing = [n for n in self.manifest["params"] if n not in weights]
+        if missing:
+            raise ExportError(f"{folder / WEIGHTS}: missing {len(missing)} weight(s) the library takes: {missing[:3]}")
+        try:
+            self.executable = tvm.runtime.load_module(str(folder / LIBRARY))
+        except Exception as e:  # TVM's loader raises its own error types for a bad library
+            raise ExportError(f"{folder / LIBRARY}: cannot load it ({str(e).splitlines()[0][:200]})") from None
+        self._params = [self._tensor(weights[n], self.device) for n in self.manifest["params"]]
 
     def init_past(self, batch: int) -> Past:
         return init_past(self.config, batch)
@@ -52,6 +104,6 @@ class TvmBackend:
     def step(self, input_ids, attention_mask, past: Past):
         feeds = [np.asarray(input_ids, dtype=np.int64), np.asarray(attention_mask, dtype=np.int64),
                  *(t.detach().cpu().numpy().astype(np.float32, copy=False) for t in flatten(past))]
-        outs = self._vm["main"](*(self._tensor(np.ascontiguousarray(x), self.device) for x in feeds))
+        outs = self._vm["main"](*(self._tensor(np.ascontiguousarray(x), self.device) for x in feeds), *self._params)
         outs = [torch.from_numpy(o.numpy()) for o in outs]
         return outs[0], unflatten(outs[1:])

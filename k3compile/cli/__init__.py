@@ -1,4 +1,4 @@
-"""The `k3compile` command line: a thin click layer, one module per verb (presets, generate, export, verify).
+"""The `k3compile` command line: a thin click layer, one module per verb (presets, generate, export, compile, verify).
 
 Each command parses, calls one library function, prints. Errors the user can fix (errors.UserError) print one line
 and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files removed) with one line and exit 143; progress
@@ -12,7 +12,7 @@ import logging
 import click
 
 from k3compile import __version__
-from k3compile.cli import export, generate, presets, verify
+from k3compile.cli import compile, export, generate, presets, verify
 from k3compile.cli.common import Group
 
 
@@ -29,5 +29,5 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (presets, generate, export, verify):
+for _verb in (presets, generate, export, compile, verify):
     main.add_command(_verb.command)

@@ -19,8 +19,8 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference", "tvm"]), default="eager",
               show_default=True,
               help="eager: the PyTorch model; onnx: onnxruntime on an export folder (SOURCE = `k3compile export`'s "
-                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs); tvm: the export folder "
-                   "compiled by TVM for this CPU (compiled on each run for now; k3 ops run their reference code).")
+                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs); tvm: an artifact of "
+                   "`k3compile compile` (or an export folder, compiled on each run).")
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
               help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))

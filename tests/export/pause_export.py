@@ -22,7 +22,11 @@ from k3compile.cli import main
 def pause(point: str) -> None:
     if point == POINT:
         print(f"PAUSED {point}", flush=True)
-        time.sleep(120)
+        # Short sleeps, as real work returns to Python often: a signal delivered to another thread (torch and
+        # onnxruntime start worker threads) only sets a flag that the main thread acts on at its next bytecode,
+        # so one long sleep could hold the SIGTERM handler back for its whole length.
+        for _ in range(1200):
+            time.sleep(0.1)
 
 
 TRACED, POINT, ARGS = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -178,3 +178,61 @@ def test_importer_fixes_keep_a_shape_computed_slice_symbolic():
         from_onnx(_shape_slice_model())
     with k3_frontend():  # and the patch is scoped: inside it the same call works
         assert isinstance(from_onnx(_shape_slice_model()), tvm.IRModule)
+
+
+# ---- the compiled artifact ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tvm_artifact(tiny_export, tmp_path_factory):
+    from k3compile.compile import compile_export
+
+    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-llvm"
+    return compile_export(tiny_export[1], out), out
+
+
+def test_artifact_holds_what_the_manifest_lists(tvm_artifact):
+    from k3compile.compile import read_manifest
+    from k3compile.interface import sha256_file
+
+    manifest, out = tvm_artifact
+    assert set(manifest["files"]) >= {"model.so", "weights.safetensors", "model.onnx", "config.json", "export.json"}
+    assert all(sha256_file(out / name) == digest for name, digest in manifest["files"].items())
+    assert read_manifest(out) == manifest and manifest["target"] == "llvm" and len(manifest["params"]) > 100
+
+
+def test_artifact_equals_eager(tiny_export, tvm_artifact):
+    model = tiny_export[0]
+    backend = TvmBackend(tvm_artifact[1])  # loaded, not compiled: the weights come from weights.safetensors
+    rows = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=2, prompts=PROMPTS)
+    assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
+    assert generate(backend, PROMPTS, 16).tokens == generate(EagerBackend(model), PROMPTS, 16).tokens
+
+
+@pytest.mark.parametrize("damage,msg", [
+    (lambda d: (d / "weights.safetensors").write_bytes((d / "weights.safetensors").read_bytes()[:-1] + b"\x00"),
+     "sha256 differs"),
+    (lambda d: (d / "model.so").unlink(), "missing"),
+    (lambda d: (d / "manifest.json").write_text('{"kind": "tvm-executable"}'), "not a k3compile tvm-executable"),
+    (lambda d: (d / "manifest.json").write_text("{"), "unreadable"),
+])
+def test_tampered_artifact_is_one_line(tmp_path, tvm_artifact, damage, msg):
+    import shutil
+
+    folder = tmp_path / "art"
+    shutil.copytree(tvm_artifact[1], folder)
+    damage(folder)
+    with pytest.raises(ExportError, match=msg):
+        TvmBackend(folder)
+    one_line_error(run("generate", folder, "--backend", "tvm"), msg)
+
+
+def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
+    folder = tiny_export[1]
+    one_line_error(run("compile", folder, "-o", tmp_path / "x", "--target", "vulkan"), "target 'vulkan'")
+    one_line_error(run("compile", folder, "-o", folder, "--overwrite"), "is the source")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "mine.txt").write_text("keep")
+    one_line_error(run("compile", folder, "-o", tmp_path / "busy"), "exists and is not empty")
+    one_line_error(run("compile", tmp_path / "busy", "-o", tmp_path / "y"), "not an export folder")
+    assert (tmp_path / "busy" / "mine.txt").read_text() == "keep"
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

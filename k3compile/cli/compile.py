@@ -1,0 +1,29 @@
+"""`k3compile compile`: an export folder compiled by TVM into an artifact folder."""
+
+from __future__ import annotations
+
+import click
+
+from k3compile.cli.common import dumps, status, user_errors
+
+
+@click.command("compile")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Artifact folder (written through a temporary folder renamed at the end).")
+@click.option("--target", default="llvm", show_default=True, help="TVM target (llvm: this CPU).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
+@click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def command(folder, out, target, overwrite, as_json, quiet):
+    """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
+    came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
+    from k3compile.compile import compile_export
+
+    with user_errors(), status(f"compiling {folder}", quiet) as step:
+        manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step)
+    if as_json:
+        click.echo(dumps(manifest, indent=2))
+    elif not quiet:
+        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
+                   f"compiled in {manifest['compile_s']:.1f} s")
