@@ -11,7 +11,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from hardening import one_line_error, run
+from hardening import examples, one_line_error, run
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from k3compile.backends.eager import EagerBackend
@@ -236,3 +238,28 @@ def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
     one_line_error(run("compile", tmp_path / "busy", "-o", tmp_path / "y"), "not an export folder")
     assert (tmp_path / "busy" / "mine.txt").read_text() == "keep"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface"]
+JSON = st.none() | st.booleans() | st.integers(-2, 2**65) | st.text(max_size=6) \
+    | st.lists(st.text(max_size=4), max_size=2) | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2)
+
+
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(MANIFEST_KEYS), value=JSON, drop=st.booleans())
+def test_any_manifest_edit_loads_or_is_one_error(tmp_path_factory, tvm_artifact, key, value, drop):
+    """The manifest reader never lets anything but an ExportError out, and never loads a library it did not check."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("man") / "art"
+    shutil.copytree(tvm_artifact[1], folder)
+    doc = json.loads((folder / "manifest.json").read_text())
+    if drop:
+        doc.pop(key, None)
+    else:
+        doc[key] = value
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    try:
+        TvmBackend(folder)
+    except ExportError:
+        pass
