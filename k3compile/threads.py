@@ -3,8 +3,8 @@
 torch and onnxruntime default to one thread per core and spin while they wait for work. For the tiny widths of the
 test presets a matmul is too small to split, and under CPU contention (a test runner, another job) the spinning
 threads fight the busy cores: in single generate runs (not a benchmark), k3-tiny's eager decode gave 74 tokens/s
-on one thread and 13 on two with one of two cores busy (77 and 66 idle). So small models take one thread and the rest take every core this process may
-run on; `--threads` overrides.
+on one thread and 13 on two with one of two cores busy (77 and 66 idle). So small models take one thread and the
+rest take every core this process may run on; `--threads` overrides.
 """
 
 from __future__ import annotations
