@@ -119,7 +119,10 @@ def test_save_refuses_a_file(tmp_path):
 
 @st.composite
 def corruptions(draw):
-    kind = draw(st.sampled_from(["truncate", "flip", "index", "config"]))
+    kind = draw(st.sampled_from(["truncate", "flip", "index", "config", "dtype", "shape", "nonfinite"]))
+    if kind in ("dtype", "shape", "nonfinite"):  # one tensor rewritten: another dtype, shape, or a NaN / Inf
+        return kind, (draw(st.integers(0, 10_000)), draw(st.sampled_from(
+            [torch.int32, torch.int8, torch.float16, torch.uint8, torch.float64, float("nan"), float("inf")])))
     if kind == "truncate":
         return kind, draw(st.floats(0.0, 0.999))
     if kind == "flip":
@@ -143,12 +146,28 @@ def test_corrupted_checkpoint_loads_or_is_one_error(tmp_path_factory, saved, c):
         data = data[:pos] + bytes([data[pos] ^ arg[1]]) + data[pos + 1:]
     elif kind == "index":
         (folder / INDEX).write_text(arg)
-    else:
+    elif kind == "config":
         (folder / "config.json").write_text(arg)
+    else:
+        tensors = dict(saved[1])
+        name = sorted(tensors)[arg[0] % len(tensors)]
+        t = tensors[name]
+        if kind == "dtype" and isinstance(arg[1], torch.dtype):
+            t = t.to(arg[1])
+        elif kind == "shape":
+            t = t.reshape(-1)[: max(1, t.numel() - 1)].clone()
+        elif t.is_floating_point():
+            t = t.clone()
+            t.view(-1)[arg[0] % t.numel()] = arg[1] if isinstance(arg[1], float) else float("nan")
+        tensors[name] = t
+        save_file(tensors, str(folder / SINGLE))
+        data = (folder / SINGLE).read_bytes()
     (folder / SINGLE).write_bytes(data)
+    before = sorted(p.name for p in folder.iterdir())
     r = run("generate", folder, "--max-new-tokens", "2", "--json", "--quiet")
     if ok_or_one_line_error(r):
         assert len(json.loads(r.output)["tokens"][0]) == 2
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing deleted, nothing left behind
 
 
 def test_a_folder_without_weights_is_an_error_not_random_weights(tmp_path, saved):

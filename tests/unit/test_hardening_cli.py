@@ -48,6 +48,13 @@ def test_bad_numbers_are_one_line(args, msg):
     one_line_error(run("generate", *args), msg)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_tolerance_must_be_finite(tmp_path, value):
+    one_line_error(run("verify", tmp_path, "--tolerance", value), "--tolerance")
+    one_line_error(run("export", "-o", tmp_path / "out", "--tolerance", value), "--tolerance")
+    assert not (tmp_path / "out").exists()
+
+
 def test_largest_seed_works():
     tokens("--seed", str(2**64 - 1), "--weight-seed", str(2**64 - 1), "--temperature", "1", "--max-new-tokens", "2")
 
