@@ -23,7 +23,7 @@ from k3compile.interface import (
     MODEL_FILE,
     ExportError,
     GraphInterface,
-    check_graph,
+    loads,
     open_export,
     sha256_file,
     write_json,
@@ -48,23 +48,14 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.frontend import to_relax
-    from k3compile.passes import run_phases
-
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
     check_target(target)
-    doc, cfg = open_export(export_dir)
-    check_graph(export_dir / MODEL_FILE, cfg)
+    doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     try:
         with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w:
-            step("importing into TVM Relax")
-            mod, names, params = to_relax(onnx.load(str(export_dir / MODEL_FILE)), keep_params=True)
-            step("lowering the k3 ops")
-            mod = run_phases(mod)
-            step(f"compiling for {target}")
-            executable = tvm.compile(mod, target=target)
+            _, executable, names, params = build(export_dir, target, keep_params=True, progress=step)
             executable.export_library(str(w.path / LIBRARY))
             save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
             for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
@@ -90,14 +81,32 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     return manifest
 
 
+def build(export_dir: Path, target: str, keep_params: bool = False, progress: Callable[[str], None] | None = None):
+    """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `target`: returns
+    (module, executable, weight names, weights); with `keep_params` the weights are parameters, else constants."""
+    import onnx
+    import tvm
+
+    from k3compile.frontend import to_relax
+    from k3compile.passes import run_phases
+
+    step = progress or (lambda msg: None)
+    step("importing into TVM Relax")
+    imported = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=keep_params)
+    mod, names, params = imported if keep_params else (imported, [], [])
+    step("lowering the k3 ops")
+    mod = run_phases(mod)
+    step(f"compiling for {target}")
+    return mod, tvm.compile(mod, target=target), names, params
+
+
 def read_manifest(folder: str | Path) -> dict:
     """The artifact's manifest, checked: its fields, and every listed file present with its recorded sha256."""
-    import json
     import re
 
     folder = Path(folder)
     try:
-        doc = json.loads((folder / MANIFEST).read_text())
+        doc = loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
         raise ExportError(f"{folder}: not a compiled artifact (no {MANIFEST}; run `k3compile compile`)") from None
     except (OSError, ValueError, RecursionError) as e:

@@ -210,12 +210,16 @@ def check_opset(opset: int) -> None:
         raise ExportError(f"--opset {opset} is above {onnx.defs.onnx_opset_version()}, the newest this onnx knows")
 
 
-def check_options(out: str | Path, opset: int, activations: str, overwrite: bool,
-                  protect: tuple[Path, ...] = ()) -> Path:
-    """Fail fast, before any weight is loaded or traced, creating nothing; returns OUT's parent."""
+def check_format(opset: int, activations: str) -> None:
     check_opset(opset)
     if activations not in ACTIVATIONS:
         raise ExportError(f"--activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
+def check_options(out: str | Path, opset: int, activations: str, overwrite: bool,
+                  protect: tuple[Path, ...] = ()) -> Path:
+    """Fail fast, before any weight is loaded or traced, creating nothing; returns OUT's parent."""
+    check_format(opset, activations)
     try:
         return check_out(out, overwrite, protect)
     except ArtifactError as e:
@@ -251,7 +255,7 @@ def export(
     step = progress or (lambda msg: None)
     out = Path(out)
     protect = source_paths(source)
-    check_options(out, opset, activations, overwrite, protect)
+    check_format(opset, activations)  # OUT itself is checked by the writer, before anything is traced
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ExportError(f"tolerance must be a finite number >= 0, got {tolerance}")
     cfg = model.config

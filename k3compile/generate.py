@@ -86,9 +86,9 @@ def generate(
     check_prompts(prompts, cfg.vocab_size)
     if max_new_tokens < 0:
         raise GenerationError("max-new-tokens must be >= 0")
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > cfg.max_position_embeddings:
-        raise GenerationError(f"a prompt of {max(len(p) for p in prompts)} tokens plus {max_new_tokens} new tokens "
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise GenerationError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens "
                               f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
     if not 0.0 < top_p <= 1.0:
         raise GenerationError("top-p must lie in (0, 1]")

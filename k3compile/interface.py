@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,6 +73,12 @@ def past_length(cfg: K3Config, past: Past) -> int:
         if cfg.is_mla(i):
             return a.shape[1]
     return 0
+
+
+def numpy_inputs(input_ids, attention_mask, past: Past) -> list[np.ndarray]:
+    """One step's graph inputs as numpy arrays, in GraphInterface.inputs order (int64 ids and mask, fp32 state)."""
+    return [np.asarray(input_ids, dtype=np.int64), np.asarray(attention_mask, dtype=np.int64),
+            *(t.detach().cpu().numpy().astype(np.float32, copy=False) for t in flatten(past))]
 
 
 def flatten(past) -> list:
@@ -141,6 +148,11 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def loads(text: str):
+    """json.loads without its NaN / Infinity extensions (they are not JSON): every k3compile reader uses this."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def _choice(value, choices) -> bool:
     return isinstance(value, str) and value in choices
 
@@ -149,7 +161,7 @@ def read_record(folder: str | Path) -> dict:
     """The export record, checked field by field before anything acts on it (verify rebuilds a model from it)."""
     folder = Path(folder)
     try:
-        doc = json.loads((folder / EXPORT_JSON).read_text(), parse_constant=_no_constant)
+        doc = loads((folder / EXPORT_JSON).read_text())
     except FileNotFoundError:
         raise ExportError(f"{folder}: not an export folder (no {EXPORT_JSON}; run `k3compile export` first)") from None
     except (OSError, ValueError, RecursionError) as e:
@@ -179,10 +191,13 @@ def read_record(folder: str | Path) -> dict:
     return doc
 
 
-def open_export(folder: str | Path) -> tuple[dict, K3Config]:
+def open_export(folder: str | Path, graph: bool = False) -> tuple[dict, K3Config]:
     """The checked record and the config of an export folder: config.json must be the one the export wrote (its
-    sha256) and give the graph interface the record names."""
+    sha256) and give the graph interface the record names. With `graph` (a backend about to run it), model.onnx
+    must be there and be that graph (check_graph)."""
     folder = Path(folder)
+    if graph and not (folder / MODEL_FILE).is_file():
+        raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
     doc = read_record(folder)
     cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
@@ -194,6 +209,8 @@ def open_export(folder: str | Path) -> tuple[dict, K3Config]:
     cfg = read_config(cfg_path)
     if doc["interface"] != GraphInterface.of(cfg).as_record():
         raise ExportError(f"{cfg_path}: its layers do not give the graph interface {EXPORT_JSON} records")
+    if graph:
+        check_graph(folder / MODEL_FILE, cfg)
     return doc, cfg
 
 

@@ -18,9 +18,8 @@ from k3compile.interface import (
     ExportError,
     GraphInterface,
     Past,
-    check_graph,
-    flatten,
     init_past,
+    numpy_inputs,
     open_export,
     unflatten,
 )
@@ -30,13 +29,10 @@ from k3compile.threads import default_threads
 class OnnxBackend:
     def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
         folder = Path(folder)
-        if not (folder / MODEL_FILE).is_file():
-            raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
-        self.record, self.config = open_export(folder)
+        self.record, self.config = open_export(folder, graph=True)
         self.interface = GraphInterface.of(self.config)
         self.name = "onnx.reference" if reference else "onnx"
         path = folder / MODEL_FILE
-        check_graph(path, self.config)
         if reference:
             import onnx
             from onnx.reference import ReferenceEvaluator
@@ -72,9 +68,6 @@ class OnnxBackend:
 
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
-        feeds = {"input_ids": np.asarray(input_ids, dtype=np.int64),
-                 "attention_mask": np.asarray(attention_mask, dtype=np.int64)}
-        for name, t in zip(self.interface.past_inputs, flatten(past)):
-            feeds[name] = t.detach().cpu().numpy().astype(np.float32, copy=False)
+        feeds = dict(zip(self.interface.inputs, numpy_inputs(input_ids, attention_mask, past)))
         outs = [torch.from_numpy(np.asarray(o)) for o in self._run(feeds)]
         return outs[0], unflatten(outs[1:])

@@ -19,13 +19,11 @@ import numpy as np
 import torch
 
 from k3compile.interface import (
-    MODEL_FILE,
     ExportError,
     GraphInterface,
     Past,
-    check_graph,
-    flatten,
     init_past,
+    numpy_inputs,
     open_export,
     unflatten,
 )
@@ -56,20 +54,11 @@ class TvmBackend:
         self._vm = relax.VirtualMachine(self.executable, self.device)
 
     def _compile_export(self, folder: Path, target: str) -> None:
-        import onnx
-        import tvm
+        from k3compile.compile import build
 
-        from k3compile.frontend import to_relax
-        from k3compile.passes import run_phases
-
-        if not (folder / MODEL_FILE).is_file():
-            raise ExportError(f"{folder}: not an export folder (no {MODEL_FILE}; run `k3compile export` first)")
-        self.record, self.config = open_export(folder)
-        check_graph(folder / MODEL_FILE, self.config)
+        self.record, self.config = open_export(folder, graph=True)
         self.name = f"tvm-{target}"
-        self.mod = run_phases(to_relax(onnx.load(str(folder / MODEL_FILE))))
-        self.executable = tvm.compile(self.mod, target=target)
-        self._params: list = []
+        self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:
         import tvm
@@ -102,8 +91,7 @@ class TvmBackend:
 
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
-        feeds = [np.asarray(input_ids, dtype=np.int64), np.asarray(attention_mask, dtype=np.int64),
-                 *(t.detach().cpu().numpy().astype(np.float32, copy=False) for t in flatten(past))]
+        feeds = numpy_inputs(input_ids, attention_mask, past)
         outs = self._vm["main"](*(self._tensor(np.ascontiguousarray(x), self.device) for x in feeds), *self._params)
         outs = [torch.from_numpy(o.numpy()) for o in outs]
         return outs[0], unflatten(outs[1:])
