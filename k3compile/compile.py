@@ -23,8 +23,8 @@ from k3compile.interface import (
     MODEL_FILE,
     ExportError,
     GraphInterface,
-    loads,
     open_export,
+    read_json,
     sha256_file,
     write_json,
 )
@@ -105,12 +105,7 @@ def read_manifest(folder: str | Path) -> dict:
     import re
 
     folder = Path(folder)
-    try:
-        doc = loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ExportError(f"{folder}: not a compiled artifact (no {MANIFEST}; run `k3compile compile`)") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise ExportError(f"{folder / MANIFEST}: unreadable ({e})") from None
+    doc = read_json(folder / MANIFEST, f"{folder}: not a compiled artifact (no {MANIFEST}; run `k3compile compile`)")
     files = doc.get("files") if isinstance(doc, dict) else None
     if not (isinstance(doc, dict) and doc.get("kind") == KIND and isinstance(doc.get("k3compile"), str)
             and isinstance(doc.get("target"), str) and isinstance(files, dict)

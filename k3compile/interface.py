@@ -153,6 +153,16 @@ def loads(text: str):
     return json.loads(text, parse_constant=_no_constant)
 
 
+def read_json(path: Path, missing: str):
+    """A JSON file of ours, strictly parsed; `missing` is the error when it is not there."""
+    try:
+        return loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ExportError(missing) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ExportError(f"{path}: unreadable ({e})") from None
+
+
 def _choice(value, choices) -> bool:
     return isinstance(value, str) and value in choices
 
@@ -160,12 +170,8 @@ def _choice(value, choices) -> bool:
 def read_record(folder: str | Path) -> dict:
     """The export record, checked field by field before anything acts on it (verify rebuilds a model from it)."""
     folder = Path(folder)
-    try:
-        doc = loads((folder / EXPORT_JSON).read_text())
-    except FileNotFoundError:
-        raise ExportError(f"{folder}: not an export folder (no {EXPORT_JSON}; run `k3compile export` first)") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise ExportError(f"{folder / EXPORT_JSON}: unreadable ({e})") from None
+    doc = read_json(folder / EXPORT_JSON,
+                    f"{folder}: not an export folder (no {EXPORT_JSON}; run `k3compile export` first)")
     if not isinstance(doc, dict) or not isinstance(doc.get("k3compile"), str):
         raise _record_error(folder, "not a k3compile export record")
     iface = doc.get("interface")
