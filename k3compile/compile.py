@@ -33,20 +33,23 @@ LIBRARY = "model.so"
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
 KIND = "tvm-executable"
-TARGETS = ("llvm",)
 
 
 def check_target(target: str) -> None:
-    if target not in TARGETS:
-        raise ExportError(f"target {target!r}: only {', '.join(TARGETS)} (this CPU) is supported so far")
+    """An unknown or not yet supported target is one ExportError naming it."""
+    from k3compile.targets import resolve
+
+    resolve(target)
 
 
 def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm", overwrite: bool = False,
-                   progress: Callable[[str], None] | None = None) -> dict:
+                   progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None) -> dict:
     """Compile an export folder for `target` into the artifact folder `out`; returns the manifest."""
     import onnx
     import tvm
     from safetensors.numpy import save_file
+
+    from k3compile.targets import resolve
 
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
@@ -55,7 +58,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     t0 = time.perf_counter()
     try:
         with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w:
-            _, executable, names, params = build(export_dir, target, keep_params=True, progress=step)
+            _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
             executable.export_library(str(w.path / LIBRARY))
             save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
             for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
@@ -65,6 +68,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
                 "k3compile": __version__,
                 "kind": KIND,
                 "target": target,
+                "tvm_target": resolve(target).describe(),
                 "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
                 "interface": GraphInterface.of(cfg).as_record(),
                 "params": names,
@@ -81,23 +85,44 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     return manifest
 
 
-def build(export_dir: Path, target: str, keep_params: bool = False, progress: Callable[[str], None] | None = None):
+def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,
+          dump_ir: str | Path | None = None):
     """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `target`: returns
-    (module, executable, weight names, weights); with `keep_params` the weights are parameters, else constants."""
+    (module, executable, weight names, weights): the weights are main's parameters after the graph inputs, already
+    put in the target's layout by running the lifted `main_transform_params` once."""
     import onnx
     import tvm
+    from tvm import relax
 
     from k3compile.frontend import to_relax
     from k3compile.passes import run_phases
+    from k3compile.targets import resolve
 
     step = progress or (lambda msg: None)
+    tgt = resolve(target)
     step("importing into TVM Relax")
-    imported = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=keep_params)
-    mod, names, params = imported if keep_params else (imported, [], [])
-    step("lowering the k3 ops")
-    mod = run_phases(mod)
-    step(f"compiling for {target}")
-    return mod, tvm.compile(mod, target=target), names, params
+    mod, _, raw = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=True)
+    step(f"lowering and scheduling for {tgt.describe()}")
+    mod = run_phases(mod, tgt, dump_dir=dump_ir)
+    step("compiling")
+    tvm_target = tgt.tvm()
+    executable = tvm.compile(mod, target=tvm_target, relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    step("putting the weights in the target's layout")
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    weights = list(vm["main_transform_params"](list(raw)))
+    main = mod["main"]
+    names = _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
+    return mod, executable, names, weights
+
+
+def _unique(names: list[str]) -> list[str]:
+    """The names, a repeated one suffixed `#2`, `#3`… (lifted weights are named after bindings, which can repeat)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
 
 
 def read_manifest(folder: str | Path) -> dict:
@@ -108,7 +133,8 @@ def read_manifest(folder: str | Path) -> dict:
     doc = read_json(folder / MANIFEST, f"{folder}: not a compiled artifact (no {MANIFEST}; run `k3compile compile`)")
     files = doc.get("files") if isinstance(doc, dict) else None
     if not (isinstance(doc, dict) and doc.get("kind") == KIND and isinstance(doc.get("k3compile"), str)
-            and isinstance(doc.get("target"), str) and isinstance(files, dict)
+            and isinstance(doc.get("target"), str) and isinstance(doc.get("tvm_target"), str)
+            and isinstance(files, dict)
             and isinstance(doc.get("params"), list) and all(isinstance(p, str) for p in doc["params"])
             and all(isinstance(k, str) and Path(k).name == k and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                     for k, v in files.items())

@@ -6,8 +6,10 @@ for the call's static sizes and attributes (one PrimFunc per distinct key, added
 kernel, or that a factory declines (a size that is not static, an attribute the kernel does not cover), stay extern
 (served by the op's reference implementation).
 
-A factory takes the call's argument expressions and returns (key, make, tensor_args) or None: `key` names the
-specialization, `make()` builds the PrimFunc, `tensor_args` are the arguments the kernel takes.
+A factory takes the call's argument expressions and the target and returns (key, make, tensor_args) or None: `key`
+names the specialization, `make()` builds the PrimFunc, `tensor_args` are the arguments the kernel takes. An
+argument may be a Relax op on a weight (the target's layout: the CPU expert kernel reads the packed experts
+transposed); the pass binds it before the call, and phase 2 moves it to compile time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _value(expr):
     return None
 
 
-def kda_factory(args):
+def kda_factory(args, target=None):
     """k3.kda_recurrence(q, k, v, g, beta, state): specialized to (H, K, V)."""
     from k3compile.kernels.kda import kda_recurrence_kernel
 
@@ -43,9 +45,12 @@ def kda_factory(args):
     return sizes, lambda: kda_recurrence_kernel(*sizes), list(args)
 
 
-def moe_mxfp4_factory(args):
+def moe_mxfp4_factory(args, target=None):
     """k3.latent_moe_dispatch_mxfp4(z, idx, w, w13, w2, s13, s2, offset, activation, beta, linear_beta, act_quant):
-    specialized to (E, I, D, offset, activation, betas); MXFP8 activation quantization is not in the kernel."""
+    specialized to (E, I, D, offset, activation, betas); MXFP8 activation quantization is not in the kernel. The
+    kernel reads the four expert arrays in the "kn" layout ([E, rows, cols/2] -> [E, cols/2, rows])."""
+    from tvm import relax
+
     from k3compile.kernels.moe import moe_mxfp4_kernel
 
     tensors, attrs = list(args[:7]), [_value(a) for a in args[7:]]
@@ -55,7 +60,10 @@ def moe_mxfp4_factory(args):
         return None
     experts, inter, width = sizes[0], sizes[1] // 2, sizes[2]
     offset, activation, beta, linear_beta = int(attrs[0]), attrs[1], float(attrs[2]), float(attrs[3])
+    if target is not None and target.expert_layout != "kn":
+        return None
     key = (experts, inter, width, offset, activation, beta, linear_beta)
+    tensors[3:] = [relax.op.permute_dims(t, [0, 2, 1]) for t in tensors[3:]]
     return key, lambda: moe_mxfp4_kernel(experts, inter, width, offset, activation == "situ", beta,
                                          linear_beta), tensors
 
@@ -63,8 +71,8 @@ def moe_mxfp4_factory(args):
 KERNELS: dict[str, Callable] = {"k3.kda_recurrence": kda_factory, "k3.latent_moe_dispatch_mxfp4": moe_mxfp4_factory}
 
 
-def lower_k3_calls(kernels: dict[str, Callable] | None = None):
-    """The pass (a tvm.transform.ModulePass)."""
+def lower_k3_calls(target=None, kernels: dict[str, Callable] | None = None):
+    """The pass (a tvm.transform.ModulePass) for `target` (a k3compile.targets.Target)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -83,7 +91,7 @@ def lower_k3_calls(kernels: dict[str, Callable] | None = None):
             if not (call.op.same_as(call_dps) and isinstance(call.args[0], relax.ExternFunc)):
                 return call
             symbol = call.args[0].global_symbol
-            made = kernels[symbol](list(call.args[1].fields)) if symbol in kernels else None
+            made = kernels[symbol](list(call.args[1].fields), target) if symbol in kernels else None
             if made is None:
                 return call
             key, make, tensor_args = made
@@ -91,6 +99,7 @@ def lower_k3_calls(kernels: dict[str, Callable] | None = None):
                 name = "_".join([symbol.replace(".", "_"), *(str(k).replace(".", "p") for k in key)])
                 self.added[(symbol, key)] = self.builder_.add_func(make().with_attr("global_symbol", name), name)
             out = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else call.ty
+            tensor_args = [self.builder_.emit(a) if isinstance(a, relax.Call) else a for a in tensor_args]
             return relax.call_tir(self.added[(symbol, key)], relax.Tuple(tensor_args), out_ty=out)
 
     @tvm.transform.module_pass(opt_level=0, name="LowerK3Calls")

@@ -5,7 +5,9 @@ compile path").
 file's sha256) and passes the weights as parameters. `TvmBackend(export_folder, target="llvm")` checks the folder
 like every reader (interface.open_export, check_graph),
 imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: the KDA recurrence and
-the MXFP4 MoE dispatch become TIR kernels), compiles for the target and runs it in the Relax VM. k3 calls no kernel
+the MXFP4 MoE dispatch become TIR kernels, weight layouts move to compile time, the standard ops are fused and
+scheduled for the target), compiles for the target and runs it in the Relax VM. An artifact built for another
+CPU (other vector features) is refused rather than run into an illegal instruction. k3 calls no kernel
 covers yet (float experts, MXFP8 activations) stay calls of their extern symbols, served by the ops' reference
 implementations (the eager ops, registered by ops.register_tvm_references). No model code is imported.
 """
@@ -67,12 +69,17 @@ class TvmBackend:
 
         from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
+        from k3compile.targets import resolve
 
         self.manifest = read_manifest(folder)
         self.config = read_config(folder / "config.json")
         if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
             raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
         self.name = f"tvm-{self.manifest['target']}"
+        here = resolve(self.manifest["target"]).describe()
+        if self.manifest.get("tvm_target") != here:
+            raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
+                              f"({here}); compile it again here")
         try:
             weights = load_file(str(folder / WEIGHTS))
         except (SafetensorError, OSError) as e:

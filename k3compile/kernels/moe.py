@@ -1,97 +1,127 @@
 """The latent-MoE dispatch with MXFP4 experts as a TIR kernel for CPU targets (docs/model.md, "Router and latent MoE";
-docs/mx.md).
+docs/mx.md; the layout choice: docs/toolchain.md, "CPU schedules").
 
-Layout as the k3 node has it: z [N, D], idx [N, k] int64, w [N, k], w13 packed [E, 2I, D/2] + scales [E, 2I, D/32],
-w2 packed [E, D, I/2] + scales [E, D, I/32] (uint8) -> y [N, D] fp32, the pre-norm latent partial sum of the expert
-slice [offset, offset + E). Per token, in parallel: for each of its k routed experts that lies in the slice, a GEMV
-through W13 (gate and up), the activation, a GEMV through W2, weighted by the routing weight and accumulated; an
-expert outside the slice weighs zero. Only the k selected experts are read (the sparse decode path); prefill runs the
-same per-token GEMVs.
+Inputs: z [N, D], idx [N, k] int64, w [N, k], and the packed experts in the "kn" layout the CPU target stores
+(phase 1 transposes the k3 node's [E, rows, cols/2] arrays, phase 2 lifts that to compile time): w13 [E, D/2, 2I]
++ scales [E, D/32, 2I], w2 [E, I/2, D] + scales [E, I/32, D] (uint8) -> y [N, D] fp32, the pre-norm latent partial
+sum of the expert slice [offset, offset + E). An output column is contiguous across a packed row, so each GEMV runs
+over 64 output columns at a time as one vector.
 
-MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): a nibble
-(element 2i low) indexes the 16 E2M1 values, and the E8M0 byte b gives 2^(b−127) by placing b in a float's exponent
-bits (b = 0 is the fp32 subnormal 2^−127, b = 255 NaN). Activation quantization (MXFP8) is not in this kernel: such
-calls stay with the reference implementation.
+For each routed slot j (in order), three parallel loops over tokens x column tiles:
+    h[n, :]  = W13[idx[n, j]] · z[n]                     (gate and up; 0 for an expert outside the slice)
+    h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
+    y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
+so decode (N = 1) runs each GEMV over its column tiles on every core, and a prefill over tokens x tiles. Only the
+k selected experts' weights are read (the sparse path); prefill runs the same per-token GEMVs.
+
+MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
+(element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
+(m << 22) + (126 << 23) (1, 1.5, 2, 3, 4, 6), the sign bit is nib & 8; the E8M0 byte b gives 2^(b−127) by placing
+b in a float's exponent bits (b = 0 is the fp32 subnormal 2^−127, b = 255 NaN). A block's 32 products are summed
+first and multiplied by the block's scale once. Activation quantization (MXFP8) is not in this kernel: such calls
+stay with the reference implementation.
 """
 
 from __future__ import annotations
 
-from k3compile.quant.mx import FP4_VALUES
+
+def _tile(n: int) -> int:
+    return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
 
 
 def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float):
+    from tvm import tirx
     from tvm.script import tirx as T
 
-    lut_values = [*FP4_VALUES, *(-v for v in FP4_VALUES)]
     d2, i2, dblk, iblk = width // 2, inter // 2, width // 32, inter // 32
+    ta, tb, td = _tile(2 * inter), _tile(inter), _tile(width)  # column tiles of the three loops
+    na, nb, nd = 2 * inter // ta, inter // tb, width // td
+
+    def fp4(byte, high: int):
+        """The E2M1 value of the low (high=0) or high (high=1) nibble of `byte` (a uint8 expression)."""
+        nib = tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8"))
+        mag = tirx.bitwise_and(nib, tirx.const(7, "uint8"))
+        value = tirx.Select(
+            mag < tirx.const(2, "uint8"), tirx.Cast("float32", mag) * tirx.const(0.5, "float32"),
+            tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", mag), tirx.const(22, "uint32"))
+                             + tirx.const(126 << 23, "uint32")))
+        sign = tirx.shift_left(tirx.Cast("uint32", tirx.bitwise_and(nib, tirx.const(8, "uint8"))),
+                               tirx.const(28, "uint32"))
+        return tirx.reinterpret("float32", tirx.bitwise_or(tirx.reinterpret("uint32", value), sign))
+
+    def e8m0(s):
+        """2^(s-127) of an E8M0 byte expression: s in a float's exponent bits; 0 -> 2^-127, 255 -> NaN."""
+        return tirx.Select(s == tirx.const(255, "uint8"), tirx.const(float("nan"), "float32"), tirx.Select(
+            s == tirx.const(0, "uint8"), tirx.reinterpret("float32", tirx.const(0x00400000, "uint32")),
+            tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", s), tirx.const(23, "uint32")))))
 
     @T.prim_func(private=True)
     def moe_mxfp4(z: T.handle, idx: T.handle, w: T.handle, w13: T.handle, w2: T.handle, s13: T.handle,
                   s2: T.handle, y: T.handle):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         N, K = T.int64(), T.int64()
         Z = T.match_buffer(z, (N, width), "float32")
         Idx = T.match_buffer(idx, (N, K), "int64")
         Wt = T.match_buffer(w, (N, K), "float32")
-        W13 = T.match_buffer(w13, (experts, 2 * inter, d2), "uint8")
-        W2 = T.match_buffer(w2, (experts, width, i2), "uint8")
-        S13 = T.match_buffer(s13, (experts, 2 * inter, dblk), "uint8")
-        S2 = T.match_buffer(s2, (experts, width, iblk), "uint8")
+        W13 = T.match_buffer(w13, (experts, d2, 2 * inter), "uint8")
+        W2 = T.match_buffer(w2, (experts, i2, width), "uint8")
+        S13 = T.match_buffer(s13, (experts, dblk, 2 * inter), "uint8")
+        S2 = T.match_buffer(s2, (experts, iblk, width), "uint8")
         Y = T.match_buffer(y, (N, width), "float32")
-        for n in T.parallel(N):
-            lut = T.alloc_buffer((16,), "float32", scope="local")
-            h = T.alloc_buffer((2 * inter,), "float32", scope="local")
-            acc = T.alloc_buffer((1,), "float32", scope="local")
-            lut[0] = T.float32(lut_values[0])
-            lut[1] = T.float32(lut_values[1])
-            lut[2] = T.float32(lut_values[2])
-            lut[3] = T.float32(lut_values[3])
-            lut[4] = T.float32(lut_values[4])
-            lut[5] = T.float32(lut_values[5])
-            lut[6] = T.float32(lut_values[6])
-            lut[7] = T.float32(lut_values[7])
-            lut[8] = T.float32(lut_values[8])
-            lut[9] = T.float32(lut_values[9])
-            lut[10] = T.float32(lut_values[10])
-            lut[11] = T.float32(lut_values[11])
-            lut[12] = T.float32(lut_values[12])
-            lut[13] = T.float32(lut_values[13])
-            lut[14] = T.float32(lut_values[14])
-            lut[15] = T.float32(lut_values[15])
-            for d in range(width):
-                Y[n, d] = T.float32(0)
-            for j in range(K):
-                if Idx[n, j] >= offset and Idx[n, j] < offset + experts:
-                    for r in range(2 * inter):  # h = W13[e] · z, dequantized block by block
-                        h[r] = T.float32(0)
-                        for blk in range(dblk):
-                            for c in range(32):
-                                h[r] = h[r] + lut[T.bitwise_and(T.shift_right(
-                                    W13[Idx[n, j] - offset, r, blk * 16 + c // 2], T.uint8(4 * (c % 2))),
-                                    T.uint8(15))] * Z[n, blk * 32 + c] * T.Select(
-                                    S13[Idx[n, j] - offset, r, blk] == T.uint8(255), T.float32("nan"),
-                                    T.Select(S13[Idx[n, j] - offset, r, blk] == T.uint8(0),
-                                             T.reinterpret("float32", T.uint32(0x00400000)),
-                                             T.reinterpret("float32", T.shift_left(
-                                                 T.Cast("uint32", S13[Idx[n, j] - offset, r, blk]), T.uint32(23)))))
-                    for r in range(inter):  # the activation, in place in the gate half
-                        if situ:
-                            h[r] = (T.float32(beta) * T.tanh(h[r] / T.float32(beta)) * T.sigmoid(h[r])) * (
-                                T.float32(linear_beta) * T.tanh(h[inter + r] / T.float32(linear_beta)))
-                        else:
-                            h[r] = h[r] * T.sigmoid(h[r]) * h[inter + r]
-                    for d in range(width):  # y += w · W2[e] · act
-                        acc[0] = T.float32(0)
-                        for blk in range(iblk):
-                            for c in range(32):
-                                acc[0] = acc[0] + lut[T.bitwise_and(T.shift_right(
-                                    W2[Idx[n, j] - offset, d, blk * 16 + c // 2], T.uint8(4 * (c % 2))),
-                                    T.uint8(15))] * h[blk * 32 + c] * T.Select(
-                                    S2[Idx[n, j] - offset, d, blk] == T.uint8(255), T.float32("nan"),
-                                    T.Select(S2[Idx[n, j] - offset, d, blk] == T.uint8(0),
-                                             T.reinterpret("float32", T.uint32(0x00400000)),
-                                             T.reinterpret("float32", T.shift_left(
-                                                 T.Cast("uint32", S2[Idx[n, j] - offset, d, blk]), T.uint32(23)))))
-                        Y[n, d] = Y[n, d] + Wt[n, j] * acc[0]
+        H = T.alloc_buffer((N, 2 * inter), "float32")
+        for nt in T.parallel(N * nd):
+            for v in T.vectorized(td):
+                Y[nt // nd, nt % nd * td + v] = T.float32(0)
+        for j in range(K):
+            for nt in T.parallel(N * na):  # h = W13[e] · z, tile of ta columns
+                acc = T.alloc_buffer((ta,), "float32", scope="local")
+                blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
+                for v in T.vectorized(ta):
+                    acc[v] = T.float32(0)
+                if Idx[nt // na, j] >= offset and Idx[nt // na, j] < offset + experts:
+                    for b in range(dblk):
+                        for v in T.vectorized(ta):
+                            blk_acc[v] = T.float32(0)
+                        for p in range(16):
+                            for v in T.vectorized(ta):
+                                blk_acc[v] = blk_acc[v] + fp4(
+                                    W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Z[
+                                    nt // na, b * 32 + 2 * p] + fp4(
+                                    W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Z[
+                                    nt // na, b * 32 + 2 * p + 1]
+                        for v in T.vectorized(ta):
+                            acc[v] = acc[v] + blk_acc[v] * e8m0(S13[Idx[nt // na, j] - offset, b, nt % na * ta + v])
+                for v in T.vectorized(ta):
+                    H[nt // na, nt % na * ta + v] = acc[v]
+            for nt in T.parallel(N * nb):  # the activation, in place in the gate half
+                for v in T.vectorized(tb):
+                    if situ:
+                        H[nt // nb, nt % nb * tb + v] = T.float32(beta) * T.tanh(
+                            H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
+                            H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
+                                H[nt // nb, inter + nt % nb * tb + v] / T.float32(linear_beta)))
+                    else:
+                        H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * T.sigmoid(
+                            H[nt // nb, nt % nb * tb + v]) * H[nt // nb, inter + nt % nb * tb + v]
+            for nt in T.parallel(N * nd):  # y += w · W2[e] · act, tile of td columns
+                acc = T.alloc_buffer((td,), "float32", scope="local")
+                blk_acc = T.alloc_buffer((td,), "float32", scope="local")
+                if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                    for v in T.vectorized(td):
+                        acc[v] = T.float32(0)
+                    for b in range(iblk):
+                        for v in T.vectorized(td):
+                            blk_acc[v] = T.float32(0)
+                        for p in range(16):
+                            for v in T.vectorized(td):
+                                blk_acc[v] = blk_acc[v] + fp4(
+                                    W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 0) * H[
+                                    nt // nd, b * 32 + 2 * p] + fp4(
+                                    W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 1) * H[
+                                    nt // nd, b * 32 + 2 * p + 1]
+                        for v in T.vectorized(td):
+                            acc[v] = acc[v] + blk_acc[v] * e8m0(S2[Idx[nt // nd, j] - offset, b, nt % nd * td + v])
+                    for v in T.vectorized(td):
+                        Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[nt // nd, j] * acc[v]
 
     return moe_mxfp4

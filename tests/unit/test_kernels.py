@@ -83,10 +83,10 @@ def _module(heads):
 def test_pass_lowers_static_kda_calls_and_leaves_the_rest():
     from k3compile.passes import run_phases
 
-    lowered = str(run_phases(_module(2))["main"])
+    lowered = str(run_phases(_module(2), upto="lower-k3-calls")["main"])
     assert 'call_dps_packed("k3.kda_recurrence"' not in lowered and "k3_kda_recurrence_2_8_8" in lowered
     assert 'call_dps_packed("k3.unknown"' in lowered  # no kernel: stays extern
-    symbolic = str(run_phases(_module(tvm.tirx.Var("h", "int64")))["main"])
+    symbolic = str(run_phases(_module(tvm.tirx.Var("h", "int64")), upto="lower-k3-calls")["main"])
     assert 'call_dps_packed("k3.kda_recurrence"' in symbolic  # a head count that is not static: left alone
 
 
@@ -105,11 +105,15 @@ def _moe_inputs(n, d, i, e, k, high, seed):
 
 
 def _run_moe(args, e, i, d, offset, activation):
+    from k3compile.targets import resolve
+
     from k3compile.kernels.moe import moe_mxfp4_kernel
 
     f = moe_mxfp4_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0).with_attr("global_symbol", "main")
     y = tvm.runtime.empty((args[0].shape[0], d), "float32")
-    tvm.compile(tvm.IRModule({"main": f}), target="llvm")["main"](*[tvm.runtime.tensor(x.numpy()) for x in args], y)
+    # the kernel reads the CPU target's "kn" layout: [E, rows, cols/2] -> [E, cols/2, rows]
+    feeds = [x.numpy() for x in args[:3]] + [np.ascontiguousarray(x.numpy().transpose(0, 2, 1)) for x in args[3:]]
+    tvm.compile(tvm.IRModule({"main": f}), target=resolve().tvm())["main"](*map(tvm.runtime.tensor, feeds), y)
     return y.numpy()
 
 
@@ -160,7 +164,7 @@ def test_pass_lowers_the_moe_unless_activations_are_quantized():
                                                     relax.TensorType([n, 32], "float32")))
                 gv = bb.emit_output(out)
             bb.emit_func_output(gv)
-        return str(run_phases(bb.get())["main"])
+        return str(run_phases(bb.get(), upto="lower-k3-calls")["main"])
 
     assert "call_dps_packed" not in module("none") and "k3_latent_moe_dispatch_mxfp4_4_32_32_0_situ" in module("none")
     assert 'call_dps_packed("k3.latent_moe_dispatch_mxfp4"' in module("e4m3")  # MXFP8: stays on the reference

@@ -1,0 +1,169 @@
+"""CPU (`llvm`) schedules for the standard ops once legalized and fused (docs/toolchain.md, "CPU schedules").
+
+TVM 0.27 has no CPU schedule for a matmul and leaves every legalized op a serial loop nest (dlight's CPU rules cover
+inner-reduction GEMVs only, 13x slower than torch here). `schedule_func` gives each fused PrimFunc a schedule from
+three rules, tried in order per block; a rule that does not apply leaves the block as it was, so a schedule is
+never wrong, at worst slower:
+
+1. inline: every intermediate spatial block (elementwise chains, reshapes, broadcasts) is computed inside its
+   consumer, so a fused chain is one loop nest and no intermediate buffer is written;
+2. matmul: a reduction `C[..., j] += A[..., k] * B[..., k, j]` whose output dim j is static and whose weight is
+   read with j innermost (the [K, N] layout the exporter writes, or the [N/64, K, 64] panels of
+   passes/pack_dense_weights.py) is tiled: j split into 64-column strips of 16-lane vectors, k split by 4, the
+   rows (batch x tokens, symbolic) in blocks of 8, each row's strip accumulated in registers over all of k (the
+   order measured fastest for one token), strips x row blocks run in parallel;
+3. loops: any other block gets its spatial loops fused into one (run in parallel when the work is large) and its
+   innermost loop, when static and a multiple of 4, vectorized; a reduction keeps its reduction loops serial
+   inside, its initialization split out.
+"""
+
+from __future__ import annotations
+
+VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
+PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
+PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
+
+
+def _static(extent) -> int | None:
+    import tvm
+
+    return int(extent) if isinstance(extent, tvm.tirx.IntImm) else None
+
+
+def _iter_kinds(sch, block) -> list[int]:
+    return [int(iv.iter_type) for iv in sch.get(block).iter_vars]
+
+
+def _is_reduction(sch, block) -> bool:
+    import tvm
+
+    return any(k == tvm.tirx.IterVar.CommReduce for k in _iter_kinds(sch, block))
+
+
+def _inline_intermediates(sch, root) -> None:
+    """compute_inline every spatial block that feeds another block (repeated until nothing changes)."""
+    changed = True
+    while changed:
+        changed = False
+        for block in sch.get_child_blocks(root):
+            if _is_reduction(sch, block) or not sch.get_consumers(block):
+                continue
+            try:
+                sch.compute_inline(block)
+                changed = True
+            except Exception:  # noqa: BLE001 - TVM raises ScheduleError subclasses; this block stays as it is
+                continue
+
+
+def _matmul_layout(sch, block):
+    """(spatial loops, k loop, N, K) when `block` is `C[..., j] += A[..., k] * B[..., k, j]` with j and k its two
+    innermost iterators, N and K static, and some operand read with j as its last index; else None."""
+    import tvm
+
+    stmt = sch.get(block)
+    kinds = _iter_kinds(sch, block)
+    loops = sch.get_loops(block)
+    if len(loops) != len(kinds) or len(kinds) < 2 or kinds[-1] != tvm.tirx.IterVar.CommReduce:
+        return None
+    if any(k == tvm.tirx.IterVar.CommReduce for k in kinds[:-1]):
+        return None
+    j_var, k_var = stmt.iter_vars[-2].var, stmt.iter_vars[-1].var
+    n, kk = _static(sch.get(loops[-2]).extent), _static(sch.get(loops[-1]).extent)
+    if n is None or kk is None:
+        return None
+    if len(stmt.writes) != 1 or not stmt.writes[0].region or not stmt.writes[0].region[-1].min.same_as(j_var):
+        return None
+    last = [r.region[-1].min for r in stmt.reads if len(r.region)]
+    packed = stmt.name_hint == "k3_packed_matmul" and n % PANEL == 0
+    if not packed and (not any(x.same_as(j_var) for x in last) or not any(x.same_as(k_var) for x in last)):
+        return None
+    return loops[:-1], loops[-1], n, kk
+
+
+def _schedule_matmul(sch, block, layout) -> None:
+    spatial, k, n, kk = layout
+    vec = next((v for v in (VECTOR, 8, 4) if n % v == 0), None)
+    if vec is None:
+        raise ValueError("output dim not a multiple of 4")
+    lanes = n // vec
+    strip = next(t for t in (PANEL // VECTOR, 2, 1) if lanes % t == 0)
+    jo, ji, jv = sch.split(spatial[-1], [None, strip, vec])
+    ko, ki = sch.split(k, [None, 4]) if kk % 4 == 0 else (k, None)
+    rows = spatial[:-1]
+    if rows:
+        m = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+        mo, mi = sch.split(m, [None, 8])
+        sch.reorder(mo, jo, mi, ko, *([ki] if ki is not None else []), ji, jv)
+        par, at = sch.fuse(mo, jo), mi
+    else:
+        sch.reorder(jo, ko, *([ki] if ki is not None else []), ji, jv)
+        par = at = jo
+    cw = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(cw, at)
+    if ki is not None:
+        sch.unroll(ki)
+    sch.unroll(ji)
+    sch.vectorize(jv)
+    sch.vectorize(sch.get_loops(cw)[-1])
+    sch.parallel(par)
+    init = sch.decompose_reduction(block, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _schedule_loops(sch, block) -> None:
+    import tvm
+
+    kinds = _iter_kinds(sch, block)
+    loops = sch.get_loops(block)
+    if len(loops) != len(kinds) or not loops:
+        return
+    spatial = [lp for lp, k in zip(loops, kinds) if k == tvm.tirx.IterVar.DataPar]
+    if len(spatial) != len(loops) and loops[:len(spatial)] != spatial:
+        return  # a reduction loop among the spatial ones: leave it
+    reduction = len(spatial) != len(loops)
+    extents = [_static(sch.get(lp).extent) for lp in spatial]
+    work = 1
+    for e in extents:
+        work *= e or 1
+    for lp in loops[len(spatial):]:
+        work *= _static(sch.get(lp).extent) or 1
+    inner = None
+    if not reduction and spatial and extents[-1] is not None and extents[-1] % 4 == 0:
+        vec = next(v for v in (VECTOR, 8, 4) if extents[-1] % v == 0)
+        outer, inner = sch.split(spatial[-1], [None, vec])
+        spatial = [*spatial[:-1], outer]
+    symbolic = any(e is None for e in extents)
+    if spatial:  # one loop over the spatial iterations: LLVM takes seconds over a nest of symbolic loops
+        outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        if work >= PARALLEL_MIN or symbolic and work >= 256:
+            sch.parallel(outer)
+    if inner is not None:
+        sch.vectorize(inner)
+    if reduction:
+        sch.decompose_reduction(block, sch.get_loops(block)[1 if spatial else 0])
+
+
+def schedule_func(func):
+    """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled."""
+    import tvm
+
+    if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+        return func
+    sch = tvm.s_tir.Schedule(func)
+    try:
+        root = sch.get_sblock("root")
+    except Exception:  # noqa: BLE001 - a hand-written kernel without a root block: not ours to schedule
+        return func
+    _inline_intermediates(sch, root)
+    for name in [sch.get(b).name_hint for b in sch.get_child_blocks(root)]:
+        block = sch.get_sblock(name)
+        layout = _matmul_layout(sch, block) if _is_reduction(sch, block) else None
+        state = sch.mod
+        try:
+            if layout is not None:
+                _schedule_matmul(sch, block, layout)
+            else:
+                _schedule_loops(sch, block)
+        except Exception:  # noqa: BLE001 - a rule that does not apply: this block keeps the schedule it had
+            sch = tvm.s_tir.Schedule(state)
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
