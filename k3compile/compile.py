@@ -54,6 +54,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
     check_target(target)
+    if dump_ir is not None:
+        dump_ir = _dump_folder(dump_ir)
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     try:
@@ -83,6 +85,18 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     except OSError as e:
         raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
     return manifest
+
+
+def _dump_folder(path: str | Path) -> Path:
+    """The --dump-ir folder: created if missing; an existing one must be empty (its files are never replaced)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ExportError(f"{path}: --dump-ir needs a new or empty folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"{path}: cannot create it ({e.strerror or e})") from None
+    return path
 
 
 def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,

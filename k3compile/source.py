@@ -18,16 +18,18 @@ from k3compile.model.state_dict_adapter import convert_experts
 from k3compile.presets import PRESETS, load_config
 from k3compile.sizing import check_fits
 
-PRESET, CONFIG, CHECKPOINT, EXPORT = "preset", "config", "checkpoint", "export"
+PRESET, CONFIG, CHECKPOINT, EXPORT, ARTIFACT = "preset", "config", "checkpoint", "export", "artifact"
 
 
 def kind_of(source: str | Path) -> str:
-    """preset, config, checkpoint or export (an unknown name is left to load_config to report). A folder is always a
-    checkpoint or an export: a folder holding a config.json but no weights is a checkpoint missing its weights (an
-    error), never a request for random weights."""
+    """preset, config, checkpoint, export or artifact (an unknown name is left to load_config to report). A folder
+    is always a checkpoint, an export or a compiled artifact (it has manifest.json): a folder holding a config.json
+    but no weights is a checkpoint missing its weights (an error), never a request for random weights."""
     if isinstance(source, str) and source in PRESETS:
         return PRESET
     p = Path(source)
+    if p.is_dir() and (p / "manifest.json").is_file() and (p / MODEL_FILE).is_file():
+        return ARTIFACT
     if p.is_dir():
         if not any(p.glob("*.safetensors")) and ((p / MODEL_FILE).is_file() or (p / EXPORT_JSON).is_file()):
             return EXPORT
@@ -54,6 +56,8 @@ def load_model(
     kind = kind_of(source)
     if kind == EXPORT:
         raise CheckpointError(f"{source} is an export folder, not a checkpoint (run it with --backend onnx)")
+    if kind == ARTIFACT:
+        raise CheckpointError(f"{source} is a compiled artifact, not a checkpoint (run it with --backend tvm)")
     if kind == CHECKPOINT:
         return load_checkpoint(source, experts=experts, progress=progress)
     cfg = load_config(source)

@@ -13,15 +13,17 @@ from k3compile.cli.common import dumps, status, user_errors
               help="Artifact folder (written through a temporary folder renamed at the end).")
 @click.option("--target", default="llvm", show_default=True, help="TVM target (llvm: this CPU).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
+@click.option("--dump-ir", "dump_ir", type=click.Path(file_okay=False), default=None,
+              help="Write the IR before and after each compile phase (TVMScript) into this new or empty folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, overwrite, as_json, quiet):
+def command(folder, out, target, overwrite, dump_ir, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
 
     with user_errors(), status(f"compiling {folder}", quiet) as step:
-        manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step)
+        manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir)
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:

@@ -27,16 +27,19 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--tolerance", default=DEFAULT_TOL, show_default=True, type=FiniteFloat(min=0.0),
               help="Largest max-abs difference of the parity run (fp32); past it the export fails.")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Skip the onnxruntime-vs-eager parity check.")
+@click.option("--target", default=None,
+              help="Also compile with TVM for this target (llvm: this CPU): OUT is then the compiled artifact "
+                   "(`k3compile compile`'s OUT, holding the ONNX too).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print export.json on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Print export.json (with --target: manifest.json) on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,
-            threads, as_json, quiet):
+            target, threads, as_json, quiet):
     """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
 
     The graph serves prefill and decode (dynamic batch, new tokens and past length). OUT is written through a
-    temporary folder renamed into place once the parity check passed. Compilation to accelerator targets
-    (--target, --mesh) extends this command in later releases.
+    temporary folder renamed into place once the parity check passed. With --target, the export is compiled in
+    the same run and OUT is the compiled artifact (as `k3compile compile` writes it).
     """
     from k3compile import source as sources
     from k3compile.export import check_options, source_paths
@@ -50,9 +53,16 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
     record = sources.record(source, seed, weights)
     with user_errors():
         check_options(out, opset, activations, overwrite, source_paths(record))
+        if target is not None:
+            from k3compile.compile import check_target
+
+            check_target(target)
         with status(f"loading {source}", quiet) as step:
             model = sources.load_model(source, seed=seed, experts=weights)
             use_threads(threads or default_threads(model.config))
+            if target is not None:
+                return _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify,
+                                           tolerance, threads, as_json, quiet, step)
             doc = export_checked(model, out, opset=opset, activations=activations, overwrite=overwrite,
                                  verify_parity=not no_verify, tolerance=tolerance, threads=threads, source=record,
                                  progress=step)
@@ -67,3 +77,27 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
     if "parity" in doc:
         w = worst(doc["parity"])
         click.echo(f"onnxruntime vs eager: max |Δ| {w['max_abs']:.2e} ({w['output']}, {w['phase']})")
+
+
+def _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify, tolerance, threads,
+                        as_json, quiet, step):
+    """Export into a temporary folder (removed after, whatever happens), then compile it into OUT."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from k3compile.compile import compile_export
+    from k3compile.pipeline import export_checked
+
+    scratch = Path(tempfile.mkdtemp(prefix="k3compile-export-"))
+    try:
+        export_checked(model, scratch / "export", opset=opset, activations=activations, verify_parity=not no_verify,
+                       tolerance=tolerance, threads=threads, source=record, progress=step)
+        manifest = compile_export(scratch / "export", out, target=target, overwrite=overwrite, progress=step)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if as_json:
+        click.echo(dumps(manifest, indent=2))
+    elif not quiet:
+        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
+                   f"compiled in {manifest['compile_s']:.1f} s")

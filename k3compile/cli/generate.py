@@ -18,17 +18,18 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
 @click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference", "tvm"]), default="eager",
               show_default=True,
-              help="eager: the PyTorch model; onnx: onnxruntime on an export folder (SOURCE = `k3compile export`'s "
-                   "OUT); onnx-reference: onnx.reference on it (slow, small inputs); tvm: an artifact of "
-                   "`k3compile compile` (or an export folder, compiled on each run).")
+              help="eager: the PyTorch model; onnx: onnxruntime on an export folder; onnx-reference: onnx.reference "
+                   "on it (slow, small inputs); tvm: an artifact of `k3compile compile` (or an export folder, "
+                   "compiled on each run). With a preset, config or checkpoint as SOURCE, onnx and tvm build it "
+                   "into the cache (~/.cache/k3compile, or $K3COMPILE_CACHE) once and reuse it.")
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
               help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
 @click.option("--weight-seed", default=0, show_default=True, type=SEED,
-              help="Seed of the random weights when SOURCE is a preset or a config.json (eager backend).")
+              help="Seed of the random weights when SOURCE is a preset or a config.json.")
 @click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True,
-              help="Routed-expert weights (eager backend): as stored, dequantized to float, or quantized to MXFP4.")
+              help="Routed-expert weights of SOURCE: as stored, dequantized to float, or quantized to MXFP4.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
@@ -39,14 +40,25 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
     from k3compile.generate import generate as run
     from k3compile.threads import default_threads, use_threads
 
+    from k3compile.source import ARTIFACT, EXPORT, kind_of
+
     prompts = [parse_ids(p) for p in prompt_ids]
-    if backend != "eager":
+    built = kind_of(source) in (EXPORT, ARTIFACT)
+    if backend != "eager" and built:
         for name in ("experts", "weight_seed"):
             if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
-                raise click.UsageError(f"--{name.replace('_', '-')} applies to the eager backend only: an export "
-                                       "folder runs the weights it was exported with")
+                raise click.UsageError(f"--{name.replace('_', '-')} does not apply to an export folder or artifact: "
+                                       "it runs the weights it was built with")
     with user_errors():
-        with status(f"loading {source}", quiet):
+        with status(f"loading {source}", quiet) as step:
+            if backend in ("onnx", "onnx-reference", "tvm") and not built:
+                from k3compile.cache import cached_artifact, cached_export
+
+                folder = (cached_artifact(source, seed=weight_seed, weights=experts, progress=step)
+                          if backend == "tvm" else
+                          cached_export(source, seed=weight_seed, weights=experts, progress=step))
+            else:
+                folder = source
             if backend == "eager":
                 from k3compile.backends.eager import EagerBackend
                 from k3compile.source import load_model
@@ -55,11 +67,11 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
             elif backend == "tvm":
                 from k3compile.backends.tvm import TvmBackend
 
-                engine = TvmBackend(source)
+                engine = TvmBackend(folder)
             else:
                 from k3compile.backends.onnx import OnnxBackend
 
-                engine = OnnxBackend(source, reference=backend == "onnx-reference", threads=threads)
+                engine = OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
         use_threads(threads or default_threads(engine.config))
         bar, cb = progress("generating", quiet)
         with bar or nullcontext():
