@@ -12,7 +12,7 @@ import logging
 import click
 
 from k3compile import __version__
-from k3compile.cli import compile, export, generate, presets, verify
+from k3compile.cli import bench, compile, export, generate, presets, verify
 from k3compile.cli.common import Group
 
 
@@ -29,5 +29,5 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (presets, generate, export, compile, verify):
+for _verb in (presets, generate, export, compile, verify, bench):
     main.add_command(_verb.command)

@@ -38,9 +38,8 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
             as_json, quiet):
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights)."""
     from k3compile.generate import generate as run
-    from k3compile.threads import default_threads, use_threads
-
     from k3compile.source import ARTIFACT, EXPORT, kind_of
+    from k3compile.threads import default_threads, use_threads
 
     prompts = [parse_ids(p) for p in prompt_ids]
     built = kind_of(source) in (EXPORT, ARTIFACT)

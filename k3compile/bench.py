@@ -1,0 +1,357 @@
+"""`k3compile bench`: eager torch, onnxruntime and TVM side by side on one machine, in one run (docs/toolchain.md,
+"Benchmarks").
+
+Rules kept by every measurement here: the backends are built first (export and artifact from the build cache),
+every backend then runs in the same process with the same thread count (torch, onnxruntime's intra-op pool and
+TVM's pool all set to `threads`), the repetitions are interleaved (rep 1 of every backend, then rep 2, ...) so a
+slow phase of the machine hits all of them, and each figure is the median over the repetitions. Nothing here is
+asserted; the JSON records the machine, versions and thread count beside the figures. Load time and peak resident
+memory are measured in a fresh process per backend (a process's peak RSS cannot be reset).
+
+Sections:
+- decode: tokens/s over `steps` decode steps after a 16-token prompt, batch 1 and 8;
+- prefill: tokens/s of one prompt of T tokens (batch 1);
+- moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
+  same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
+  neither reads from a warm cache only;
+- kda: the TVM KDA recurrence kernel as T doubles (time per token should stay flat: linear in T);
+- roofline: bytes of weights a decode token reads (every dense weight, one embedding row, top-k / E of the packed
+  experts) and the memory bandwidth measured here (a large array summed by torch) give the decode ceiling; TVM's
+  decode is reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+BACKENDS = ("eager", "onnx", "tvm")
+PROMPT = 16
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def set_threads(n: int) -> None:
+    """torch's intra-op threads and TVM's pool (TVM reads TVM_NUM_THREADS when its pool starts)."""
+    import torch
+
+    os.environ["TVM_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def memory_bandwidth(gib: float = 0.5, reps: int = 5) -> float:
+    """Bytes/s of reading a large fp32 array (torch sum over `gib` GiB, median of `reps`)."""
+    import torch
+
+    a = torch.ones(int(gib * 2**30) // 4)
+    a.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t)
+    return a.numel() * 4 / _median(times)
+
+
+def weight_table(path: Path) -> dict:
+    """name -> (shape, dtype, bytes) of every tensor of a safetensors file, read from its header only."""
+    from safetensors import safe_open
+
+    size = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1, "F64": 8}
+    table = {}
+    with safe_open(str(path), "np") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            shape, dtype = list(sl.get_shape()), sl.get_dtype()
+            n = 1
+            for d in shape:
+                n *= d
+            table[name] = (shape, dtype, n * size.get(dtype, 4))
+    return table
+
+
+def decode_bytes(config, weights: dict) -> int:
+    """Weight bytes one decode token reads from the artifact: all of them, minus the embedding table but one row,
+    minus the routed experts a token does not use (top-k of E; the packed experts are the artifact's only uint8
+    tensors, whatever name the compile gave their re-laid copies)."""
+    total = 0
+    routed = config.num_experts_per_token / max(config.num_experts, 1)
+    for name, (shape, dtype, nbytes) in weights.items():
+        if "embed_tokens" in name:
+            total += nbytes // shape[0]
+        elif dtype == "U8":
+            total += int(nbytes * routed)
+        else:
+            total += nbytes
+    return total
+
+
+def load_probe(kind: str, folder: str, threads: int) -> dict:
+    """Run in a fresh process: load one backend, one decode step, report load time and peak RSS."""
+    import resource
+
+    import torch
+
+    set_threads(threads)
+    t = time.perf_counter()
+    engine = _open(kind, folder, threads)
+    load_s = time.perf_counter() - t
+    past = engine.init_past(1)
+    engine.step(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long), past)
+    return {"load_s": load_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _open(kind: str, folder: str, threads: int):
+    if kind == "eager":
+        from k3compile.backends.eager import EagerBackend
+        from k3compile.source import load_model
+
+        return EagerBackend(load_model(folder))
+    if kind == "onnx":
+        from k3compile.backends.onnx import OnnxBackend
+
+        return OnnxBackend(folder, threads=threads)
+    from k3compile.backends.tvm import TvmBackend
+
+    return TvmBackend(folder)
+
+
+def _probe_in_subprocess(kind: str, folder: str, threads: int) -> dict:
+    code = ("import json, sys; from k3compile.bench import load_probe; "
+            f"print(json.dumps(load_probe({kind!r}, {folder!r}, {threads})))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _decode_once(engine, batch: int, steps: int, vocab: int) -> float:
+    import torch
+
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, vocab, (batch, PROMPT), generator=gen)
+    mask = torch.ones(batch, PROMPT, dtype=torch.long)
+    _, past = engine.step(ids, mask, engine.init_past(batch))
+    t = time.perf_counter()
+    for s in range(steps):
+        mask = torch.ones(batch, PROMPT + s + 1, dtype=torch.long)
+        _, past = engine.step(torch.randint(3, vocab, (batch, 1), generator=gen), mask, past)
+    return batch * steps / (time.perf_counter() - t)
+
+
+def _prefill_once(engine, length: int, vocab: int) -> float:
+    import torch
+
+    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+    mask = torch.ones(1, length, dtype=torch.long)
+    past = engine.init_past(1)
+    t = time.perf_counter()
+    engine.step(ids, mask, past)
+    return length / (time.perf_counter() - t)
+
+
+def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            runs[name].append(measure(engine))
+    return {name: {"median": _median(v), "runs": v} for name, v in runs.items()}
+
+
+def _ratios(rows: dict) -> dict:
+    base = rows.get("eager", {}).get("median")
+    return {name: (r["median"] / base if base else None) for name, r in rows.items()}
+
+
+def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """The MXFP4 expert kernel vs torch fp32 F.linear (dequantized experts), the config's expert shapes."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import tvm
+
+    from k3compile.kernels.moe import moe_mxfp4_kernel
+    from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
+    from k3compile.targets import resolve
+
+    e, k = config.num_experts, config.num_experts_per_token
+    d, i = config.routed_expert_hidden_size or config.hidden_size, config.moe_intermediate_size
+    gen = torch.Generator().manual_seed(0)
+    (w13, s13), (w2, s2) = (quantize_mxfp4(torch.randn(e, 2 * i, d, generator=gen) * 0.05),
+                            quantize_mxfp4(torch.randn(e, d, i, generator=gen) * 0.05))
+    f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
+    lib = tvm.compile(tvm.IRModule({"main": moe_mxfp4_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
+        "global_symbol", "main")}), target=resolve(target).tvm())
+    packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
+    rows = []
+    for n in tokens:
+        z = torch.randn(n, d, generator=gen)
+        w = torch.rand(n, k, generator=gen)
+        routes = [torch.randint(0, e, (n, k), generator=gen) for _ in range(8)]  # cycle: no warm single expert
+        y = tvm.runtime.empty((n, d), "float32")
+        zt, wt = tvm.runtime.tensor(z.numpy()), tvm.runtime.tensor(w.numpy())
+        idx = [tvm.runtime.tensor(r.numpy()) for r in routes]
+
+        def run_tvm(r):
+            lib["main"](zt, idx[r], wt, *packed, y)
+
+        def run_torch(r):
+            out = torch.zeros(n, d)
+            for t in range(n):
+                for j in range(k):
+                    ex = int(routes[r][t, j])
+                    h = F.linear(z[t:t + 1], f13[ex])
+                    g, u = h[:, :i], h[:, i:]
+                    out[t] += w[t, j] * F.linear(4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g)
+                                                 * 25.0 * torch.tanh(u / 25.0), f2[ex])[0]
+            return out
+
+        times: dict[str, list[float]] = {"tvm_mxfp4": [], "torch_fp32": []}
+        run_tvm(0), run_torch(0)  # warm-up: thread pools start, first-touch of the outputs
+        for rep in range(repeats):
+            for name, fn in (("tvm_mxfp4", run_tvm), ("torch_fp32", run_torch)):
+                t = time.perf_counter()
+                for r in range(len(routes)):
+                    fn(r)
+                times[name].append((time.perf_counter() - t) / len(routes))
+        med = {name: _median(v) for name, v in times.items()}
+        rows.append({"tokens": n, "experts": e, "top_k": k, "width": d, "inter": i,
+                     "tvm_mxfp4_ms": med["tvm_mxfp4"] * 1e3, "torch_fp32_ms": med["torch_fp32"] * 1e3,
+                     "speedup": med["torch_fp32"] / med["tvm_mxfp4"]})
+    return rows
+
+
+def kda_scaling(config, target: str, repeats: int, lengths: tuple[int, ...] = (256, 512, 1024, 2048)) -> list[dict]:
+    """The TVM KDA recurrence kernel at batch 1 as T doubles."""
+    import numpy as np
+    import tvm
+
+    from k3compile.kernels.kda import kda_recurrence_kernel
+    from k3compile.targets import resolve
+
+    h, dk = config.kda_num_heads, config.kda_head_dim
+    lib = tvm.compile(tvm.IRModule({"main": kda_recurrence_kernel(h, dk, dk).with_attr("global_symbol", "main")}),
+                      target=resolve(target).tvm())
+    rng = np.random.default_rng(0)
+    rows = []
+    for length in lengths:
+        q, k_, v = (rng.standard_normal((1, length, h, dk), dtype=np.float32) * 0.1 for _ in range(3))
+        g = -np.abs(rng.standard_normal((1, length, h, dk), dtype=np.float32)) * 0.1
+        beta = rng.random((1, length, h), dtype=np.float32)
+        s0 = np.zeros((1, h, dk, dk), np.float32)
+        args = [tvm.runtime.tensor(x) for x in (q, k_, v, g, beta, s0)]
+        outs = [tvm.runtime.empty((1, length, h, dk), "float32"), tvm.runtime.empty((1, h, dk, dk), "float32")]
+        times = []
+        lib["main"](*args, *outs)  # warm-up
+        for _ in range(repeats):
+            t = time.perf_counter()
+            lib["main"](*args, *outs)
+            times.append(time.perf_counter() - t)
+        med = _median(times)
+        rows.append({"T": length, "recurrent_ms": med * 1e3, "us_per_token": med / length * 1e6})
+    return rows
+
+
+def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, threads: int | None = None,
+              repeats: int = 5, decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 8,
+              prefill: tuple[int, ...] = (512, 2048), target: str = "llvm",
+              progress: Callable[[str], None] | None = None) -> dict:
+    import platform
+
+    import onnxruntime
+    import torch
+    import tvm
+
+    from k3compile.cache import cached_artifact, cached_export
+    from k3compile.compile import WEIGHTS, read_manifest
+    from k3compile.config import read_config
+    from k3compile.threads import available_cores
+
+    step = progress or (lambda msg: None)
+    threads = threads or available_cores()
+    set_threads(threads)
+    artifact = Path(cached_artifact(source, target=target, progress=step))
+    made = {"eager": source, "onnx": str(cached_export(source, progress=step)), "tvm": str(artifact)}
+    folders = {name: made[name] for name in backends}
+    config = read_config(artifact / "config.json")
+    manifest = read_manifest(artifact)
+
+    step("measuring load time and peak memory (a fresh process per backend)")
+    load = {name: _probe_in_subprocess(name, folder, threads) for name, folder in folders.items()}
+    step("measuring memory bandwidth")
+    bandwidth = memory_bandwidth()
+
+    step("loading the backends")
+    engines = {name: _open(name, folder, threads) for name, folder in folders.items()}
+    vocab = config.vocab_size
+    result: dict = {
+        "source": source, "threads": threads, "repeats": repeats, "target": manifest["tvm_target"],
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": available_cores()},
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
+        "load": load, "decode": {}, "prefill": {},
+    }
+    for batch in decode_batches:
+        step(f"decode, batch {batch}")
+        for engine in engines.values():  # warm-up: allocations and first-call compilation are not the figure
+            _decode_once(engine, batch, 2, vocab)
+        rows = _interleaved(engines, repeats, lambda e, b=batch: _decode_once(e, b, decode_steps, vocab))
+        result["decode"][str(batch)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
+    for length in prefill:
+        step(f"prefill, T = {length}")
+        for engine in engines.values():
+            _prefill_once(engine, min(length, 64), vocab)
+        rows = _interleaved(engines, repeats, lambda e, n=length: _prefill_once(e, n, vocab))
+        result["prefill"][str(length)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
+    del engines
+
+    step("the MXFP4 expert kernel against torch fp32")
+    result["moe_kernel"] = moe_kernel(config, target, repeats)
+    step("the KDA recurrence as T doubles")
+    result["kda"] = kda_scaling(config, target, repeats)
+
+    weights = weight_table(artifact / WEIGHTS)
+    per_token = decode_bytes(config, weights)
+    ceiling = bandwidth / per_token
+    tvm_decode = result["decode"].get("1", {}).get("tokens_per_s", {}).get("tvm", {}).get("median")
+    result["roofline"] = {
+        "bandwidth_gb_s": bandwidth / 1e9, "bytes_per_decode_token": per_token,
+        "ceiling_tokens_per_s": ceiling,
+        "tvm_fraction": tvm_decode / ceiling if tvm_decode else None,
+    }
+    weight_bytes = sum(nbytes for _, _, nbytes in weights.values())
+    result["artifact_weight_bytes"] = weight_bytes
+    if "tvm" in load and "peak_rss_bytes" in load["tvm"]:
+        result["tvm_peak_rss_vs_weights"] = load["tvm"]["peak_rss_bytes"] / weight_bytes
+    return result
+
+
+def chart(result: dict, path: str | Path) -> None:
+    """A PNG of the decode and prefill tokens/s per backend (needs matplotlib: `pip install k3compile[bench]`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from k3compile.errors import UserError
+
+        raise UserError("--png needs matplotlib (pip install 'k3compile[bench]')") from None
+    groups = [(f"decode b{b}", r["tokens_per_s"]) for b, r in result["decode"].items()]
+    groups += [(f"prefill T={t}", r["tokens_per_s"]) for t, r in result["prefill"].items()]
+    names = sorted({n for _, rows in groups for n in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], groups):
+        ax.bar(names, [rows[n]["median"] if n in rows else 0 for n in names], color=["#888", "#4a7", "#36c"])
+        ax.set_title(title)
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(f"{result['source']}, {result['threads']} threads, median of {result['repeats']}")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=100)
