@@ -191,8 +191,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     lib = tvm.compile(tvm.IRModule({"main": moe_mxfp4_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
         "global_symbol", "main")}), target=resolve(target).tvm())
     packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
-    rows = []
-    for n in tokens:
+    def measure(n: int) -> dict:
         z = torch.randn(n, d, generator=gen)
         w = torch.rand(n, k, generator=gen)
         routes = [torch.randint(0, e, (n, k), generator=gen) for _ in range(8)]  # cycle: no warm single expert
@@ -216,16 +215,18 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
 
         times: dict[str, list[float]] = {"tvm_mxfp4": [], "torch_fp32": []}
         run_tvm(0), run_torch(0)  # warm-up: thread pools start, first-touch of the outputs
-        for rep in range(repeats):
+        for _ in range(repeats):
             for name, fn in (("tvm_mxfp4", run_tvm), ("torch_fp32", run_torch)):
                 t = time.perf_counter()
                 for r in range(len(routes)):
                     fn(r)
                 times[name].append((time.perf_counter() - t) / len(routes))
         med = {name: _median(v) for name, v in times.items()}
-        rows.append({"tokens": n, "experts": e, "top_k": k, "width": d, "inter": i,
+        return {"tokens": n, "experts": e, "top_k": k, "width": d, "inter": i,
                      "tvm_mxfp4_ms": med["tvm_mxfp4"] * 1e3, "torch_fp32_ms": med["torch_fp32"] * 1e3,
-                     "speedup": med["torch_fp32"] / med["tvm_mxfp4"]})
+                     "speedup": med["torch_fp32"] / med["tvm_mxfp4"]}
+
+    rows = [measure(n) for n in tokens]
     return rows
 
 
