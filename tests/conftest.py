@@ -23,6 +23,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _build_cache(tmp_path_factory):
+    """No test writes into the user's ~/.cache/k3compile: the build cache lives in this session's temp folder."""
+    old = os.environ.get("K3COMPILE_CACHE")
+    os.environ["K3COMPILE_CACHE"] = str(tmp_path_factory.mktemp("k3compile-cache"))
+    yield
+    if old is None:
+        os.environ.pop("K3COMPILE_CACHE", None)
+    else:
+        os.environ["K3COMPILE_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def fla_naive():
     """fla-core's naive KDA file, loaded directly (importing fla.ops needs triton, which must stay absent)."""

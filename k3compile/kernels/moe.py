@@ -11,8 +11,12 @@ For each routed slot j (in order), three parallel loops over tokens x column til
     h[n, :]  = W13[idx[n, j]] · z[n]                     (gate and up; 0 for an expert outside the slice)
     h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
     y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
-so decode (N = 1) runs each GEMV over its column tiles on every core, and a prefill over tokens x tiles. Only the
-k selected experts' weights are read (the sparse path); prefill runs the same per-token GEMVs.
+so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
+(the sparse path). From GROUPED_MIN_TOKENS tokens on (prefill, large batches) the kernel instead builds the
+per-expert lists of routed (token, slot) pairs in the kernel (a counting sort of idx: offsets, then the pairs in
+order) and runs, in parallel over experts x column tiles, each 32-row weight tile decoded once into a local buffer
+and applied to every pair of the expert; the slot outputs are then summed per token in slot order. Pairs routed
+outside the slice are in no list and weigh zero.
 
 MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
@@ -23,6 +27,9 @@ stay with the reference implementation.
 """
 
 from __future__ import annotations
+
+
+GROUPED_MIN_TOKENS = 16  # from this many tokens on, the pairs are grouped by expert (each tile decoded once)
 
 
 def _tile(n: int) -> int:
@@ -68,60 +75,140 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
         S13 = T.match_buffer(s13, (experts, dblk, 2 * inter), "uint8")
         S2 = T.match_buffer(s2, (experts, iblk, width), "uint8")
         Y = T.match_buffer(y, (N, width), "float32")
-        H = T.alloc_buffer((N, 2 * inter), "float32")
-        for nt in T.parallel(N * nd):
-            for v in T.vectorized(td):
-                Y[nt // nd, nt % nd * td + v] = T.float32(0)
-        for j in range(K):
-            for nt in T.parallel(N * na):  # h = W13[e] · z, tile of ta columns
-                acc = T.alloc_buffer((ta,), "float32", scope="local")
-                blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
-                for v in T.vectorized(ta):
-                    acc[v] = T.float32(0)
-                if Idx[nt // na, j] >= offset and Idx[nt // na, j] < offset + experts:
-                    for b in range(dblk):
-                        for v in T.vectorized(ta):
-                            blk_acc[v] = T.float32(0)
-                        for p in range(16):
+        if N < GROUPED_MIN_TOKENS:  # decode: per-token GEMVs on the k routed experts
+            H = T.alloc_buffer((N, 2 * inter), "float32")
+            for nt in T.parallel(N * nd):
+                for v in T.vectorized(td):
+                    Y[nt // nd, nt % nd * td + v] = T.float32(0)
+            for j in range(K):
+                for nt in T.parallel(N * na):  # h = W13[e] · z, tile of ta columns
+                    acc = T.alloc_buffer((ta,), "float32", scope="local")
+                    blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
+                    for v in T.vectorized(ta):
+                        acc[v] = T.float32(0)
+                    if Idx[nt // na, j] >= offset and Idx[nt // na, j] < offset + experts:
+                        for b in range(dblk):
                             for v in T.vectorized(ta):
-                                blk_acc[v] = blk_acc[v] + fp4(
-                                    W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Z[
-                                    nt // na, b * 32 + 2 * p] + fp4(
-                                    W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Z[
-                                    nt // na, b * 32 + 2 * p + 1]
+                                blk_acc[v] = T.float32(0)
+                            for p in range(16):
+                                for v in T.vectorized(ta):
+                                    blk_acc[v] = blk_acc[v] + fp4(
+                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Z[
+                                        nt // na, b * 32 + 2 * p] + fp4(
+                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Z[
+                                        nt // na, b * 32 + 2 * p + 1]
+                            for v in T.vectorized(ta):
+                                acc[v] = acc[v] + blk_acc[v] * e8m0(S13[Idx[nt // na, j] - offset, b, nt % na * ta + v])
+                    for v in T.vectorized(ta):
+                        H[nt // na, nt % na * ta + v] = acc[v]
+                for nt in T.parallel(N * nb):  # the activation, in place in the gate half
+                    for v in T.vectorized(tb):
+                        if situ:
+                            H[nt // nb, nt % nb * tb + v] = T.float32(beta) * T.tanh(
+                                H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
+                                H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
+                                    H[nt // nb, inter + nt % nb * tb + v] / T.float32(linear_beta)))
+                        else:
+                            H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * T.sigmoid(
+                                H[nt // nb, nt % nb * tb + v]) * H[nt // nb, inter + nt % nb * tb + v]
+                for nt in T.parallel(N * nd):  # y += w · W2[e] · act, tile of td columns
+                    acc = T.alloc_buffer((td,), "float32", scope="local")
+                    blk_acc = T.alloc_buffer((td,), "float32", scope="local")
+                    if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                        for v in T.vectorized(td):
+                            acc[v] = T.float32(0)
+                        for b in range(iblk):
+                            for v in T.vectorized(td):
+                                blk_acc[v] = T.float32(0)
+                            for p in range(16):
+                                for v in T.vectorized(td):
+                                    blk_acc[v] = blk_acc[v] + fp4(
+                                        W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 0) * H[
+                                        nt // nd, b * 32 + 2 * p] + fp4(
+                                        W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 1) * H[
+                                        nt // nd, b * 32 + 2 * p + 1]
+                            for v in T.vectorized(td):
+                                acc[v] = acc[v] + blk_acc[v] * e8m0(S2[Idx[nt // nd, j] - offset, b, nt % nd * td + v])
+                        for v in T.vectorized(td):
+                            Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[nt // nd, j] * acc[v]
+
+        else:  # prefill: the routed (token, slot) pairs grouped by expert, each weight tile decoded once
+            cnt = T.alloc_buffer((experts + 1,), "int64")
+            pos = T.alloc_buffer((experts,), "int64")
+            order = T.alloc_buffer((N * K,), "int64")
+            G = T.alloc_buffer((N * K, 2 * inter), "float32")
+            O = T.alloc_buffer((N * K, width), "float32")
+            for e in range(experts + 1):
+                cnt[e] = T.int64(0)
+            for f in range(N * K):  # counting sort by expert: cnt = offsets, order = pairs n * K + j
+                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+                    cnt[Idx[f // K, f % K] - offset + 1] = cnt[Idx[f // K, f % K] - offset + 1] + T.int64(1)
+            for e in range(experts):
+                cnt[e + 1] = cnt[e + 1] + cnt[e]
+                pos[e] = cnt[e]
+            for f in range(N * K):
+                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+                    order[pos[Idx[f // K, f % K] - offset]] = f
+                    pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
+            for et in T.parallel(experts * na):  # g = W13[e] · z for every pair routed to e, tile of ta columns
+                tile = T.alloc_buffer((32, ta), "float32", scope="local")
+                acc = T.alloc_buffer((ta,), "float32", scope="local")
+                for r in range(cnt[et // na], cnt[et // na + 1]):
+                    for v in T.vectorized(ta):
+                        G[order[r], et % na * ta + v] = T.float32(0)
+                for b in range(dblk):
+                    for p in range(16):
                         for v in T.vectorized(ta):
-                            acc[v] = acc[v] + blk_acc[v] * e8m0(S13[Idx[nt // na, j] - offset, b, nt % na * ta + v])
-                for v in T.vectorized(ta):
-                    H[nt // na, nt % na * ta + v] = acc[v]
-            for nt in T.parallel(N * nb):  # the activation, in place in the gate half
+                            tile[2 * p, v] = fp4(W13[et // na, b * 16 + p, et % na * ta + v], 0) * e8m0(
+                                S13[et // na, b, et % na * ta + v])
+                            tile[2 * p + 1, v] = fp4(W13[et // na, b * 16 + p, et % na * ta + v], 1) * e8m0(
+                                S13[et // na, b, et % na * ta + v])
+                    for r in range(cnt[et // na], cnt[et // na + 1]):
+                        for v in T.vectorized(ta):
+                            acc[v] = T.float32(0)
+                        for c in range(32):
+                            for v in T.vectorized(ta):
+                                acc[v] = acc[v] + Z[order[r] // K, b * 32 + c] * tile[c, v]
+                        for v in T.vectorized(ta):
+                            G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v]
+            for rt in T.parallel(N * K * nb):  # the activation, in place (rows of pairs outside the slice unused)
                 for v in T.vectorized(tb):
                     if situ:
-                        H[nt // nb, nt % nb * tb + v] = T.float32(beta) * T.tanh(
-                            H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
-                            H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
-                                H[nt // nb, inter + nt % nb * tb + v] / T.float32(linear_beta)))
+                        G[rt // nb, rt % nb * tb + v] = T.float32(beta) * T.tanh(
+                            G[rt // nb, rt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
+                            G[rt // nb, rt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
+                                G[rt // nb, inter + rt % nb * tb + v] / T.float32(linear_beta)))
                     else:
-                        H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * T.sigmoid(
-                            H[nt // nb, nt % nb * tb + v]) * H[nt // nb, inter + nt % nb * tb + v]
-            for nt in T.parallel(N * nd):  # y += w · W2[e] · act, tile of td columns
+                        G[rt // nb, rt % nb * tb + v] = G[rt // nb, rt % nb * tb + v] * T.sigmoid(
+                            G[rt // nb, rt % nb * tb + v]) * G[rt // nb, inter + rt % nb * tb + v]
+            for et in T.parallel(experts * nd):  # o = w · W2[e] · act for every pair routed to e
+                tile = T.alloc_buffer((32, td), "float32", scope="local")
                 acc = T.alloc_buffer((td,), "float32", scope="local")
-                blk_acc = T.alloc_buffer((td,), "float32", scope="local")
-                if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                for r in range(cnt[et // nd], cnt[et // nd + 1]):
                     for v in T.vectorized(td):
-                        acc[v] = T.float32(0)
-                    for b in range(iblk):
+                        O[order[r], et % nd * td + v] = T.float32(0)
+                for b in range(iblk):
+                    for p in range(16):
                         for v in T.vectorized(td):
-                            blk_acc[v] = T.float32(0)
-                        for p in range(16):
+                            tile[2 * p, v] = fp4(W2[et // nd, b * 16 + p, et % nd * td + v], 0) * e8m0(
+                                S2[et // nd, b, et % nd * td + v])
+                            tile[2 * p + 1, v] = fp4(W2[et // nd, b * 16 + p, et % nd * td + v], 1) * e8m0(
+                                S2[et // nd, b, et % nd * td + v])
+                    for r in range(cnt[et // nd], cnt[et // nd + 1]):
+                        for v in T.vectorized(td):
+                            acc[v] = T.float32(0)
+                        for c in range(32):
                             for v in T.vectorized(td):
-                                blk_acc[v] = blk_acc[v] + fp4(
-                                    W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 0) * H[
-                                    nt // nd, b * 32 + 2 * p] + fp4(
-                                    W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 1) * H[
-                                    nt // nd, b * 32 + 2 * p + 1]
+                                acc[v] = acc[v] + G[order[r], b * 32 + c] * tile[c, v]
                         for v in T.vectorized(td):
-                            acc[v] = acc[v] + blk_acc[v] * e8m0(S2[Idx[nt // nd, j] - offset, b, nt % nd * td + v])
-                    for v in T.vectorized(td):
-                        Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[nt // nd, j] * acc[v]
+                            O[order[r], et % nd * td + v] = O[order[r], et % nd * td + v] + acc[v]
+            for nt in T.parallel(N * nd):  # y = sum over the slots in the slice, in slot order
+                for v in T.vectorized(td):
+                    Y[nt // nd, nt % nd * td + v] = T.float32(0)
+                for j in range(K):
+                    if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                        for v in T.vectorized(td):
+                            Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[
+                                nt // nd, j] * O[nt // nd * K + j, nt % nd * td + v]
 
     return moe_mxfp4

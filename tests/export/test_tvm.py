@@ -80,7 +80,37 @@ def test_generate_with_the_tvm_backend(tiny_export):
     assert r.exit_code == 0, r.output
     r_eager = run("generate", "--prompt-ids", "4,5,6", "--prompt-ids", "9", "--max-new-tokens", "6", "--json")
     assert json.loads(r.output)["tokens"] == json.loads(r_eager.output)["tokens"]
-    one_line_error(run("generate", "k3-tiny", "--backend", "tvm"), "not an export folder")
+
+
+def test_generate_a_preset_builds_it_into_the_cache_once(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("K3COMPILE_CACHE", str(cache))
+    args = ("generate", "k3-tiny", "--prompt-ids", "4,5,6", "--max-new-tokens", "5", "--json", "--quiet")
+    r = run(*args, "--backend", "tvm")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["tokens"] == json.loads(run(*args).output)["tokens"]  # eager
+    (entry,) = (cache / "artifacts").iterdir()
+    stamp = (entry / "manifest.json").stat().st_mtime_ns
+    again = run(*args, "--backend", "tvm")
+    assert again.exit_code == 0 and json.loads(again.output)["tokens"] == json.loads(r.output)["tokens"]
+    assert [p.name for p in (cache / "artifacts").iterdir()] == [entry.name]  # reused, not rebuilt
+    assert (entry / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_cache_keys_differ_with_what_determines_the_build(tmp_path):
+    from k3compile.cache import entry_key
+    from k3compile.source import record
+
+    base = entry_key("artifact", record("k3-tiny", 0, "auto"), {"target": "llvm"})
+    assert base == entry_key("artifact", record("k3-tiny", 0, "auto"), {"target": "llvm"})
+    assert base != entry_key("artifact", record("k3-tiny", 5, "auto"), {"target": "llvm"})  # other weights
+    assert base != entry_key("artifact", record("k3-tiny", 0, "float"), {"target": "llvm"})
+    assert base != entry_key("artifact", record("k3-tiny", 0, "auto"), {"target": "other"})
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{}")
+    one = entry_key("export", record(str(cfg), 0, "auto"), {})
+    cfg.write_text('{"vocab_size": 300}')  # the same path, edited: another entry
+    assert one != entry_key("export", record(str(cfg), 0, "auto"), {})
 
 
 def test_unknown_target_is_refused(tiny_export):

@@ -121,6 +121,8 @@ def _run_moe(args, e, i, d, offset, activation):
     (1, 32, 32, 8, 2, 0, "situ"),     # one decoded token
     (5, 32, 64, 4, 2, 0, "situ"),
     (3, 64, 32, 3, 3, 2, "silu"),     # a slice [2, 5): tokens routed to 0, 1, 5, 6 weigh zero
+    (17, 32, 32, 4, 2, 1, "situ"),    # from GROUPED_MIN_TOKENS on: pairs grouped by expert (the prefill path)
+    (40, 96, 64, 5, 3, 2, "silu"),    # grouped, a slice [2, 7) with tokens outside it; 96 = three 32-blocks
 ])
 def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
@@ -129,6 +131,12 @@ def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
     want = latent_moe_dispatch(*args, offset, activation, 4.0, 25.0, "none").numpy()
     # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, activation), want, rtol=0, atol=1e-5)
+
+
+def test_the_cases_above_cover_both_kernel_paths():
+    from k3compile.kernels.moe import GROUPED_MIN_TOKENS
+
+    assert 5 < GROUPED_MIN_TOKENS <= 17  # n = 1, 3, 5: per-token GEMVs; n = 17, 40: grouped by expert
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
