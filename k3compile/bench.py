@@ -94,10 +94,22 @@ def decode_bytes(config, weights: dict) -> int:
     return total
 
 
-def load_probe(kind: str, folder: str, threads: int) -> dict:
-    """Run in a fresh process: load one backend, one decode step, report load time and peak RSS."""
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: VmHWM (reset by exec, unlike ru_maxrss, which a child started
+    by a big parent inherits on Linux), else ru_maxrss."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_probe(kind: str, folder: str, threads: int) -> dict:
+    """Run in a fresh process: load one backend, one decode step, report load time and peak RSS."""
     import torch
 
     set_threads(threads)
@@ -106,7 +118,7 @@ def load_probe(kind: str, folder: str, threads: int) -> dict:
     load_s = time.perf_counter() - t
     past = engine.init_past(1)
     engine.step(torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long), past)
-    return {"load_s": load_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"load_s": load_s, "peak_rss_bytes": peak_rss()}
 
 
 def _open(kind: str, folder: str, threads: int):

@@ -53,10 +53,9 @@ def export_checked(
                   check=check, tolerance=tolerance, progress=progress)
 
 
-def verify_export(folder: str | Path, source: str | None = None, reference: bool = False, decode_steps: int = 2,
-                  threads: int | None = None) -> list[dict]:
-    """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
-    the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key."""
+def eager_of(folder: str | Path, source: str | None = None, threads: int | None = None) -> EagerBackend:
+    """The eager model an export folder (or artifact) was made from, rebuilt from its record (or `source`) after
+    checking that the source's config is the exported one; run in the forms the export used."""
     doc, cfg = open_export(folder)
     rec = doc.get("source") or {}
     src = source or rec.get("source")
@@ -66,10 +65,31 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
     model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
     verify.check_model(model.config, cfg)
     use_threads(threads or default_threads(cfg))
-    eager = EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[doc.get("activations", "none")]))
+    return EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[doc.get("activations", "none")]))
+
+
+def verify_export(folder: str | Path, source: str | None = None, reference: bool = False, decode_steps: int = 2,
+                  threads: int | None = None) -> list[dict]:
+    """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
+    the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key.
+    A compiled artifact (it holds its export) is checked the same way and compared with TVM too."""
+    from pathlib import Path
+
+    from k3compile.compile import MANIFEST, read_manifest
+
+    compiled = (Path(folder) / MANIFEST).is_file()
+    if compiled:
+        read_manifest(folder)  # every file's sha256, before anything is built
+    eager = eager_of(folder, source, threads)
     rows = [dict(r, backend="onnxruntime")
             for r in verify.compare(eager, OnnxBackend(folder, threads=threads), decode_steps=decode_steps)]
     if reference:
         rows += [dict(r, backend="onnx.reference")
                  for r in verify.compare(eager, OnnxBackend(folder, reference=True), decode_steps=decode_steps)]
+    if compiled:
+        from k3compile.backends.tvm import TvmBackend
+
+        tvm_backend = TvmBackend(folder)
+        rows += [dict(r, backend=tvm_backend.name)
+                 for r in verify.compare(eager, tvm_backend, decode_steps=decode_steps)]
     return rows

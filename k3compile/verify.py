@@ -18,7 +18,7 @@ from k3compile.generate import left_pad
 from k3compile.interface import ExportError, GraphInterface, flatten
 from k3compile.presets import load_config
 
-__all__ = ["check_model", "check_source", "compare", "worst"]
+__all__ = ["check_model", "check_source", "compare", "default_prompts", "per_layer", "worst"]
 
 
 def _config_diff(a: K3Config, b: K3Config, skip: tuple[str, ...]) -> str | None:
@@ -55,12 +55,18 @@ def _rows(phase: str, names: list[str], ref: list[torch.Tensor], other: list[tor
     return rows
 
 
+def default_prompts(cfg: K3Config) -> list[list[int]]:
+    """A left-padded batch of two prompts of different lengths, in range for any vocabulary."""
+    return [[(7 * i + 3) % cfg.vocab_size for i in range(5)], [11 % cfg.vocab_size, 5 % cfg.vocab_size,
+                                                               9 % cfg.vocab_size]]
+
+
 @torch.no_grad()
 def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]] | None = None) -> list[dict]:
     """Rows (phase, output, max_abs, max_rel) of `candidate` against `reference`, two step backends of one config."""
     cfg = reference.config
     gi = GraphInterface.of(cfg)
-    prompts = prompts or [[(7 * i + 3) % cfg.vocab_size for i in range(5)], [11 % cfg.vocab_size, 5, 9]]
+    prompts = prompts or default_prompts(cfg)
     ids, mask = left_pad(prompts, cfg.pad_token_id or 0)
     rows: list[dict] = []
     past_r, past_c = reference.init_past(len(prompts)), candidate.init_past(len(prompts))
@@ -77,3 +83,20 @@ def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]
 def worst(rows: list[dict]) -> dict:
     """The row with the largest max_abs, a NaN row before any (max() alone never picks a NaN after a number)."""
     return max(rows, key=lambda r: (math.isnan(r["max_abs"]), r["max_abs"]))
+
+
+def per_layer(rows: list[dict]) -> list[dict]:
+    """The worst row of each (backend, layer) over every phase: a layer's outputs are its `present.{i}.*` states, so
+    the first layer whose row grows is where a difference starts; logits come last as layer "logits"."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        parts = r["output"].split(".")
+        layer = parts[1] if parts[0] == "present" and len(parts) > 2 else r["output"]
+        groups.setdefault((r.get("backend", ""), layer), []).append(r)
+    out = []
+    for (backend, layer), rs in groups.items():
+        w = worst(rs)
+        out.append({"backend": backend, "layer": layer, "phase": w["phase"], "output": w["output"],
+                    "max_abs": w["max_abs"], "max_rel": w["max_rel"]})
+    return sorted(out, key=lambda r: (r["backend"], r["layer"] == "logits",
+                                      int(r["layer"]) if r["layer"].isdigit() else 0))

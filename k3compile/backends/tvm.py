@@ -64,8 +64,6 @@ class TvmBackend:
 
     def _load_artifact(self, folder: Path) -> None:
         import tvm
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
 
         from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
@@ -81,17 +79,10 @@ class TvmBackend:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
                               f"({here}); compile it again here")
         try:
-            weights = load_file(str(folder / WEIGHTS))
-        except (SafetensorError, OSError) as e:
-            raise ExportError(f"{folder / WEIGHTS}: unreadable ({e})") from None
-        missing = [n for n in self.manifest["params"] if n not in weights]
-        if missing:
-            raise ExportError(f"{folder / WEIGHTS}: missing {len(missing)} weight(s) the library takes: {missing[:3]}")
-        try:
             self.executable = tvm.runtime.load_module(str(folder / LIBRARY))
         except Exception as e:  # TVM's loader raises its own error types for a bad library
             raise ExportError(f"{folder / LIBRARY}: cannot load it ({str(e).splitlines()[0][:200]})") from None
-        self._params = [self._tensor(weights[n], self.device) for n in self.manifest["params"]]
+        self._params = read_weights(folder / WEIGHTS, self.manifest["params"], self.device)
 
     def _input(self, x: np.ndarray):
         """A TVM tensor of `x`: shared when it is already aligned as TVM needs (a `present` the VM wrote and that
@@ -111,3 +102,65 @@ class TvmBackend:
         feeds = [self._input(x) for x in numpy_inputs(input_ids, attention_mask, past)]
         outs = [torch.from_dlpack(o) for o in self._vm["main"](*feeds, *self._params)]  # shared, not copied
         return outs[0], unflatten(outs[1:])
+
+
+# what compile writes (numpy can view each through DLPack): safetensors dtype -> (TVM dtype, bytes)
+SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "F64": ("float64", 8), "U8": ("uint8", 1),
+                      "I8": ("int8", 1), "I32": ("int32", 4), "I64": ("int64", 8), "BOOL": ("bool", 1)}
+HEADER_MAX = 100 * 2**20  # the safetensors format's own bound on the JSON header
+
+
+def read_weights(path: Path, names: list[str], device) -> list:
+    """The named tensors of a safetensors file, each read straight into TVM memory (no numpy copy, no memory map:
+    the peak resident memory is the weights once plus the process). The format: an 8-byte little-endian header
+    length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}} (offsets after the header), the data.
+    The file's sha256 was checked against the manifest already; every entry is still checked before it is read."""
+    import json
+    import math
+    import struct
+
+    import tvm
+
+    def bad(why: str) -> ExportError:
+        return ExportError(f"{path}: not a readable weights file ({why}; compile again)")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise bad("truncated")
+            n = struct.unpack("<Q", head)[0]
+            if n > min(HEADER_MAX, size - 8):
+                raise bad("header length out of range")
+            try:
+                header = json.loads(f.read(n))
+            except (ValueError, UnicodeDecodeError):
+                raise bad("header is not JSON") from None
+            if not isinstance(header, dict):
+                raise bad("header is not a table")
+            out = []
+            for name in names:
+                ent = header.get(name)
+                if not isinstance(ent, dict):
+                    raise ExportError(f"{path}: missing the weight {name!r} the library takes")
+                dtype, shape, offsets = ent.get("dtype"), ent.get("shape"), ent.get("data_offsets")
+                if (not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES or not isinstance(shape, list)
+                        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                        or not (isinstance(offsets, list) and len(offsets) == 2
+                                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets))):
+                    raise bad(f"entry {name!r} malformed")
+                tvm_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
+                begin, end = offsets
+                if not (0 <= begin <= end and 8 + n + end <= size
+                        and end - begin == itemsize * math.prod(shape)):  # checked before any allocation
+                    raise bad(f"entry {name!r} out of range")
+                t = tvm.runtime.empty(shape, tvm_dtype, device)
+                view = np.from_dlpack(t)
+                f.seek(8 + n + begin)
+                if view.nbytes and f.readinto(memoryview(view.reshape(-1)).cast("B")) != view.nbytes:
+                    raise bad("truncated")
+                out.append(t)
+            return out
+    except OSError as e:
+        raise ExportError(f"{path}: unreadable ({e.strerror or e})") from None

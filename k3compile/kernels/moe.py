@@ -28,7 +28,6 @@ stay with the reference implementation.
 
 from __future__ import annotations
 
-
 GROUPED_MIN_TOKENS = 16  # from this many tokens on, the pairs are grouped by expert (each tile decoded once)
 
 
@@ -137,7 +136,7 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
             pos = T.alloc_buffer((experts,), "int64")
             order = T.alloc_buffer((N * K,), "int64")
             G = T.alloc_buffer((N * K, 2 * inter), "float32")
-            O = T.alloc_buffer((N * K, width), "float32")
+            Out = T.alloc_buffer((N * K, width), "float32")
             for e in range(experts + 1):
                 cnt[e] = T.int64(0)
             for f in range(N * K):  # counting sort by expert: cnt = offsets, order = pairs n * K + j
@@ -186,7 +185,7 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                 acc = T.alloc_buffer((td,), "float32", scope="local")
                 for r in range(cnt[et // nd], cnt[et // nd + 1]):
                     for v in T.vectorized(td):
-                        O[order[r], et % nd * td + v] = T.float32(0)
+                        Out[order[r], et % nd * td + v] = T.float32(0)
                 for b in range(iblk):
                     for p in range(16):
                         for v in T.vectorized(td):
@@ -201,7 +200,7 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                             for v in T.vectorized(td):
                                 acc[v] = acc[v] + G[order[r], b * 32 + c] * tile[c, v]
                         for v in T.vectorized(td):
-                            O[order[r], et % nd * td + v] = O[order[r], et % nd * td + v] + acc[v]
+                            Out[order[r], et % nd * td + v] = Out[order[r], et % nd * td + v] + acc[v]
             for nt in T.parallel(N * nd):  # y = sum over the slots in the slice, in slot order
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)
@@ -209,6 +208,6 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                     if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
                         for v in T.vectorized(td):
                             Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[
-                                nt // nd, j] * O[nt // nd * K + j, nt % nd * td + v]
+                                nt // nd, j] * Out[nt // nd * K + j, nt % nd * td + v]
 
     return moe_mxfp4

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import tvm
 from hardening import examples, one_line_error, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -293,3 +294,128 @@ def test_any_manifest_edit_loads_or_is_one_error(tmp_path_factory, tvm_artifact,
         TvmBackend(folder)
     except ExportError:
         pass
+
+
+# ---- verify, k3compile.testing, export --target ---------------------------------------------------------------------
+
+def test_verify_an_artifact_compares_tvm_too(tvm_artifact):
+    out = tvm_artifact[1]
+    r = run("verify", out, "--json", "--quiet")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["rows"]
+    assert {row["backend"] for row in rows} == {"onnxruntime", "tvm-llvm"}
+    assert all(row["max_abs"] <= ATOL for row in rows)
+    layered = run("verify", out, "--per-layer", "--json", "--quiet")
+    layers = {(row["backend"], row["layer"]) for row in json.loads(layered.output)["rows"]}
+    assert ("tvm-llvm", "0") in layers and ("tvm-llvm", "6") in layers and ("tvm-llvm", "logits") in layers
+
+
+def test_assert_matches_eager_passes_on_the_artifact(tvm_artifact):
+    from k3compile.testing import assert_matches_eager
+
+    rows = assert_matches_eager(tvm_artifact[1], prompts=PROMPTS, atol=ATOL, decode_steps=2, new_tokens=8)
+    assert len(rows) == 3 * (1 + 2 * 7)  # 3 phases x (logits + two states per layer)
+
+
+def test_assert_matches_eager_catches_a_wrong_weight(tmp_path, tvm_artifact):
+    """An artifact consistent in itself (manifest rehashed) but with one weight changed: the helper must fail,
+    naming the outputs in a table."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from k3compile.compile import MANIFEST, WEIGHTS
+    from k3compile.interface import sha256_file, write_json
+    from k3compile.testing import assert_matches_eager
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tvm_artifact[1], bad)
+    weights = load_file(str(bad / WEIGHTS))
+    name = next(n for n, w in weights.items() if w.dtype == np.float32 and w.size > 1000)
+    weights[name] = weights[name] * np.float32(1.5)
+    save_file(weights, str(bad / WEIGHTS))
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["files"][WEIGHTS] = sha256_file(bad / WEIGHTS)
+    write_json(bad / MANIFEST, manifest)
+    with pytest.raises(AssertionError, match=r"outputs differ from eager by more than atol=0.0001:\nphase"):
+        assert_matches_eager(bad, prompts=PROMPTS, atol=ATOL)
+
+
+def test_tvm_equals_eager_with_mxfp8_activations(tiny_mxfp8_export):
+    """MXFP8 activation quantization in front of the experts: the MoE calls stay on the op's reference
+    implementation (no kernel yet), the rest is compiled; the whole equals eager in the exported forms."""
+    model, folder, _ = tiny_mxfp8_export
+    backend = TvmBackend(folder)
+    assert 'call_dps_packed("k3.latent_moe_dispatch_mxfp4"' in str(backend.mod["main"])
+    rows = compare(EagerBackend(model, Forms.exported("e4m3")), backend, decode_steps=2, prompts=PROMPTS)
+    bad = [r for r in rows if not r["max_abs"] <= ATOL]
+    assert not bad, bad[:3]
+
+
+def test_export_with_a_target_writes_the_artifact(tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("k3compile-export-*")}
+    out = tmp_path / "direct"
+    r = run("export", "k3-tiny", "--target", "llvm", "-o", out, "--quiet", "--no-verify")
+    assert r.exit_code == 0, r.output
+    assert (out / "manifest.json").is_file() and (out / "model.onnx").is_file() and (out / "model.so").is_file()
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("k3compile-export-*")} == before  # scratch removed
+    one_line_error(run("export", "k3-tiny", "--target", "webgpu", "-o", tmp_path / "gpu"), "target 'webgpu'")
+    assert not (tmp_path / "gpu").exists()
+
+
+# ---- the weights reader (behind the manifest's sha256, but checked on its own) ------------------------------------
+
+def _weights_file(path, tensors: dict) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path))
+
+
+def test_read_weights_reads_what_safetensors_wrote(tmp_path):
+    from k3compile.backends.tvm import read_weights
+
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, 255], dtype=np.uint8),
+               "e": np.zeros((0, 5), dtype=np.float32), "i": np.array([-3, 2**40], dtype=np.int64),
+               "t": np.array(True)}  # every dtype a compiled module takes (a bool scalar among them)
+    _weights_file(tmp_path / "w.safetensors", tensors)
+    got = read_weights(tmp_path / "w.safetensors", ["i", "a", "e", "b", "t"], tvm.cpu())
+    for name, t in zip(["i", "a", "e", "b", "t"], got):
+        np.testing.assert_array_equal(t.numpy(), tensors[name])
+    with pytest.raises(ExportError, match="missing the weight 'zz'"):
+        read_weights(tmp_path / "w.safetensors", ["a", "zz"], tvm.cpu())
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_read_weights_on_damaged_files_reads_or_raises_one_error(tmp_path, data):
+    """Truncations, flipped bytes and edited headers: the right tensors, or ExportError; never another error."""
+    from k3compile.backends.tvm import read_weights
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.uint8)}
+    path = tmp_path / "w.safetensors"
+    _weights_file(path, tensors)
+    raw = bytearray(path.read_bytes())
+    how = data.draw(st.sampled_from(["truncate", "flip", "header"]))
+    if how == "truncate":
+        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+    elif how == "flip":
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] ^= data.draw(st.integers(1, 255))
+    else:
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        entry = header[data.draw(st.sampled_from(["a", "b"]))]
+        key = data.draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+        entry[key] = data.draw(st.one_of(st.none(), st.booleans(), st.integers(-5, 2**40), st.text(max_size=4),
+                                         st.lists(st.integers(-3, 2**33), max_size=3)))
+        body = json.dumps(header).encode()
+        raw = bytearray(len(body).to_bytes(8, "little")) + body + raw[8 + n:]
+    path.write_bytes(bytes(raw))
+    try:
+        got = read_weights(path, ["a", "b"], tvm.cpu())
+    except ExportError:
+        return
+    assert [t.numpy().shape for t in got] == [(2, 3), (4,)] or how == "flip"  # a flipped data byte reads as data

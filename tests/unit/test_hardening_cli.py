@@ -129,11 +129,15 @@ def test_generation_longer_than_the_model_is_refused():
     one_line_error(run("generate", "--max-new-tokens", "99999999999999999999"), "max_position_embeddings")
 
 
-def test_onnx_backend_refuses_eager_only_options(tmp_path):
-    one_line_error(run("generate", tmp_path, "--backend", "onnx", "--experts", "float"),
-                   "--experts applies to the eager backend only")
-    one_line_error(run("generate", tmp_path, "--backend", "onnx", "--weight-seed", "3"),
-                   "--weight-seed applies to the eager backend only")
+def test_a_built_folder_refuses_weight_options(tmp_path):
+    """An export folder or artifact runs the weights it was built with: --experts / --weight-seed are refused
+    before anything is opened (with a preset or checkpoint they choose what the cache builds)."""
+    (tmp_path / "model.onnx").write_bytes(b"")  # enough for the folder to count as an export
+    for backend in ("onnx", "tvm"):
+        one_line_error(run("generate", tmp_path, "--backend", backend, "--experts", "float"),
+                       "--experts does not apply to an export folder or artifact")
+        one_line_error(run("generate", tmp_path, "--backend", backend, "--weight-seed", "3"),
+                       "--weight-seed does not apply to an export folder or artifact")
 
 
 def test_default_threads():

@@ -1,0 +1,145 @@
+"""Each compile phase on its own (passes/, targets/llvm.py): what it rewrites, and that the rewritten program still
+computes the same numbers (compiled for this CPU, against numpy in float64; fp32 sums in other orders, so 1e-4
+relative to the magnitudes here, observed ~1e-6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from k3compile.passes import PHASE_NAMES, run_phases
+from k3compile.targets import resolve
+from tvm import relax
+
+TARGET = resolve()
+
+
+def _matmul_module(k: int, n: int, weight_is_param: bool = True):
+    """main(x [b, s, K], w [K, N]) = x @ w (+ 1, an epilogue to fuse); w a weight (after num_input) or an input."""
+    b, s = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType([b, s, k], "float32"))
+    w = relax.Var("w", relax.TensorType([k, n], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w], attrs={"num_input": 1 if weight_is_param else 2}):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w))
+            z = bb.emit_output(relax.op.add(y, relax.const(1.0, "float32")))
+        bb.emit_func_output(z)
+    return bb.get()
+
+
+def _run(mod, x, w):
+    ex = tvm.compile(mod, target=TARGET.tvm(), relax_pipeline=tvm.transform.Sequential(TARGET.finish_passes()))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    weights = [w]
+    if "main_transform_params" in [gv.name_hint for gv in mod.get_global_vars()]:
+        weights = list(vm["main_transform_params"]([tvm.runtime.tensor(w)]))
+    else:
+        weights = [tvm.runtime.tensor(w)]
+    return vm["main"](tvm.runtime.tensor(x), *weights).numpy()
+
+
+def test_phases_are_numbered_in_order():
+    assert PHASE_NAMES == ("lower-k3-calls", "pack-dense-weights", "lift-weight-transforms", "legalize-fuse",
+                           "schedule")
+    with pytest.raises(ValueError, match="unknown phase"):
+        run_phases(_matmul_module(64, 64), TARGET, upto="nope")
+
+
+def test_pack_dense_weights_rewrites_only_matmuls_by_a_weight():
+    packed = str(run_phases(_matmul_module(32, 128), TARGET, upto="pack-dense-weights")["main"])
+    assert "k3_packed_matmul" in packed and "R.matmul" not in packed
+    assert "R.permute_dims" in packed  # [K, N] -> [N/64, K, 64], an expression of the weight only
+    by_input = str(run_phases(_matmul_module(32, 128, weight_is_param=False), TARGET,
+                              upto="pack-dense-weights")["main"])
+    assert "R.matmul" in by_input and "k3_packed_matmul" not in by_input  # an activation: left as it is
+    odd = str(run_phases(_matmul_module(32, 100), TARGET, upto="pack-dense-weights")["main"])
+    assert "R.matmul" in odd  # N not a multiple of the panel: left as it is
+
+
+def test_lift_moves_the_relayout_to_the_transform_function():
+    mod = run_phases(_matmul_module(32, 128), TARGET, upto="lift-weight-transforms")
+    assert "R.permute_dims" not in str(mod["main"]) and "R.permute_dims" in str(mod["main_transform_params"])
+
+
+@pytest.mark.parametrize("k,n,rows", [(32, 128, 1), (64, 192, 3), (48, 128, 17), (40, 100, 5), (36, 20, 9)])
+def test_every_phase_keeps_the_numbers(k, n, rows):
+    """Panels (N % 64 == 0) and not; K not a multiple of 4 or of the split; rows not a multiple of the row block."""
+    rng = np.random.default_rng(k + n + rows)
+    x = rng.standard_normal((1, rows, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    mod = run_phases(_matmul_module(k, n), TARGET)
+    want = x.astype(np.float64) @ w.astype(np.float64) + 1
+    np.testing.assert_allclose(_run(mod, x, w), want, rtol=1e-4, atol=1e-4)
+
+
+def test_schedule_marks_every_primfunc_scheduled_and_parallelizes_the_matmul():
+    mod = run_phases(_matmul_module(64, 128), TARGET)
+    prims = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prims and all("tirx.is_scheduled" in f.attrs for f in prims)
+    text = "\n".join(str(f) for f in prims)
+    assert "T.parallel" in text and "T.vectorized" in text
+
+
+def test_dump_ir_writes_every_phase(tmp_path):
+    run_phases(_matmul_module(32, 64), TARGET, dump_dir=tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["00-imported.py"] + [f"{i:02d}-{n}.py" for i, n in enumerate(PHASE_NAMES, start=1)]
+    assert "k3_packed_matmul" in (tmp_path / "02-pack-dense-weights.py").read_text()
+
+
+def test_targets_unknown_and_planned_are_named():
+    from k3compile.interface import ExportError
+
+    with pytest.raises(ExportError, match="unknown target 'foo'"):
+        resolve("foo")
+    with pytest.raises(ExportError, match="'webgpu' is not supported yet"):
+        resolve("webgpu")
+
+
+def test_llvm_target_never_promises_vector_features_this_cpu_lacks():
+    """A library built for the CPU model's features where the VM masks some dies with SIGILL."""
+    from tvm.target import codegen
+
+    flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    promised = set(str(f) for f in codegen.llvm_get_cpu_features(TARGET.tvm()))
+    if "avx512f" not in flags:
+        assert "avx512f" not in promised
+    assert ("avx2" in promised) == ("avx2" in flags)
+
+
+def _attention_funcs():
+    """TE versions of the MLA attention contractions: scores (b, h, t, s) = q (b, t, h, c) · kv (b, s, c), a dot
+    along contiguous rows; out (b, t, h, c) = p (b, h, t, s) · kv (b, s, c), a matmul over a symbolic length."""
+    from tvm import te
+
+    b, t, s = (tvm.tirx.Var(n, "int64") for n in ("b", "t", "s"))
+    h, c = 2, 32
+    q = te.placeholder((b, t, h, c), name="q")
+    kv = te.placeholder((b, s, c), name="kv")
+    p = te.placeholder((b, h, t, s), name="p")
+    rc = te.reduce_axis((0, c), "rc")
+    scores = te.compute((b, h, t, s), lambda i, j, k, m: te.sum(q[i, k, j, rc] * kv[i, m, rc], axis=rc), name="sc")
+    rs = te.reduce_axis((0, s), "rs")
+    out = te.compute((b, t, h, c), lambda i, k, j, n: te.sum(p[i, j, k, rs] * kv[i, rs, n], axis=rs), name="pv")
+    return te.create_prim_func([q, kv, scores]), te.create_prim_func([p, kv, out])
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (3, 5), (17, 40)])
+def test_attention_schedules_keep_the_numbers(t, s):
+    from k3compile.targets.llvm import schedule_func
+
+    f_scores, f_pv = (schedule_func(f) for f in _attention_funcs())
+    rng = np.random.default_rng(t * 100 + s)
+    q = rng.standard_normal((1, t, 2, 32), dtype=np.float32)
+    kv = rng.standard_normal((1, s, 32), dtype=np.float32)
+    p = rng.standard_normal((1, 2, t, s), dtype=np.float32)
+    lib_s = tvm.compile(f_scores.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    lib_p = tvm.compile(f_pv.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    got_s, got_p = tvm.runtime.empty((1, 2, t, s), "float32"), tvm.runtime.empty((1, t, 2, 32), "float32")
+    lib_s["main"](tvm.runtime.tensor(q), tvm.runtime.tensor(kv), got_s)
+    lib_p["main"](tvm.runtime.tensor(p), tvm.runtime.tensor(kv), got_p)
+    np.testing.assert_allclose(got_s.numpy(), np.einsum("bthc,bsc->bhts", q.astype(np.float64), kv), rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(got_p.numpy(), np.einsum("bhts,bsc->bthc", p.astype(np.float64), kv), rtol=1e-4,
+                               atol=1e-4)
