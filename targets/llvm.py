@@ -11,7 +11,8 @@ never wrong, at worst slower:
    read with j innermost (the [K, N] layout the exporter writes, or the [N/64, K, 64] panels of
    passes/pack_dense_weights.py) is tiled: j split into 64-column strips of 16-lane vectors, k split by 4, the
    rows (batch x tokens, symbolic) in blocks of 8, each row's strip accumulated in registers over all of k (the
-   order measured fastest for one token), strips x row blocks run in parallel;
+   order measured fastest for one token), strips x row blocks run in parallel; over a symbolic length (attention's
+   p · V) each row's output stays in L1 while k runs instead, rows in parallel, the output dim vectorized;
 3. loops: any other block gets its spatial loops fused into one (run in parallel when the work is large) and its
    innermost loop, when static and a multiple of 4, vectorized; a reduction keeps its reduction loops serial
    inside, its initialization split out.
@@ -69,7 +70,7 @@ def _matmul_layout(sch, block):
         return None
     j_var, k_var = stmt.iter_vars[-2].var, stmt.iter_vars[-1].var
     n, kk = _static(sch.get(loops[-2]).extent), _static(sch.get(loops[-1]).extent)
-    if n is None or kk is None:
+    if n is None:
         return None
     if len(stmt.writes) != 1 or not stmt.writes[0].region or not stmt.writes[0].region[-1].min.same_as(j_var):
         return None
@@ -80,8 +81,27 @@ def _matmul_layout(sch, block):
     return loops[:-1], loops[-1], n, kk
 
 
+def _schedule_rows(sch, block, layout) -> None:
+    """A matmul over a symbolic length (attention's p · V): each row's output, a few hundred bytes, stays in L1
+    while k runs; rows in parallel, the output dim vectorized."""
+    spatial, k, n, _ = layout
+    vec = next((v for v in (VECTOR, 8, 4) if n % v == 0), None)
+    if vec is None or len(spatial) < 2:
+        raise ValueError("no vector width or no rows")
+    jo, jv = sch.split(spatial[-1], [None, vec])
+    rows = spatial[:-1]
+    m = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+    sch.reorder(m, k, jo, jv)
+    sch.parallel(m)
+    sch.vectorize(jv)
+    init = sch.decompose_reduction(block, k)
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
 def _schedule_matmul(sch, block, layout) -> None:
     spatial, k, n, kk = layout
+    if kk is None:
+        return _schedule_rows(sch, block, layout)
     vec = next((v for v in (VECTOR, 8, 4) if n % v == 0), None)
     if vec is None:
         raise ValueError("output dim not a multiple of 4")
