@@ -4,10 +4,10 @@
 
 An entry's folder name is the sha256 of what determines its content: the source record (preset and seed, or the
 resolved path of a config / checkpoint with the size and mtime of each of its files), the export options, the
-target, and the versions of k3compile, torch, onnx, onnxruntime and TVM. An entry is reused only once it opens
-cleanly (an export's record and hashes, an artifact's manifest with every file's sha256); a damaged one is built
-again in place (it is this cache's own folder). Entries are written like every OUT (artifact.ArtifactWriter), so an
-interrupted build leaves nothing half-written.
+target, the versions of k3compile, torch, onnx, onnxruntime and TVM, and a hash of k3compile's own source. An entry
+is reused only once it opens cleanly (an export's record and hashes, an artifact's manifest with every file's
+sha256); a damaged one is built again in place (it is this cache's own folder). Entries are written like every OUT
+(artifact.ArtifactWriter), so an interrupted build leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -27,13 +27,27 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "k3compile"
 
 
+def _code_digest() -> str:
+    """sha256 over k3compile's own source files (passes and targets included): a changed kernel or schedule is
+    another entry even where the version number did not move."""
+    import k3compile
+    from k3compile import passes, targets
+
+    digest = hashlib.sha256()
+    for root in {Path(m.__file__).parent for m in (k3compile, passes, targets)}:
+        for f in sorted(root.rglob("*.py")):
+            digest.update(str(f.relative_to(root)).encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
 def _versions() -> dict:
     import onnx
     import onnxruntime
     import torch
     import tvm
 
-    return {"k3compile": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+    return {"k3compile": __version__, "code": _code_digest(), "torch": torch.__version__, "onnx": onnx.__version__,
             "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__}
 
 
