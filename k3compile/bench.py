@@ -4,7 +4,9 @@
 Rules kept by every measurement here: the backends are built first (export and artifact from the build cache),
 every backend then runs in the same process with the same thread count (torch, onnxruntime's intra-op pool and
 TVM's pool all set to `threads`), the repetitions are interleaved (rep 1 of every backend, then rep 2, ...) so a
-slow phase of the machine hits all of them, and each figure is the median over the repetitions. Nothing here is
+slow phase of the machine hits all of them, and each figure is the median over the repetitions. onnxruntime's idle
+threads sleep instead of spinning, and each measurement starts after a pause, so one backend's spinning workers do
+not slow the next (a first run without this gave TVM decode repetitions of 23, 45 and 25 tokens/s). Nothing here is
 asserted; the JSON records the machine, versions and thread count beside the figures. Load time and peak resident
 memory are measured in a fresh process per backend (a process's peak RSS cannot be reset).
 
@@ -33,6 +35,7 @@ from pathlib import Path
 
 BACKENDS = ("eager", "onnx", "tvm")
 PROMPT = 16
+PAUSE_S = 0.5
 
 
 def _median(xs: list[float]) -> float:
@@ -130,7 +133,7 @@ def _open(kind: str, folder: str, threads: int):
     if kind == "onnx":
         from k3compile.backends.onnx import OnnxBackend
 
-        return OnnxBackend(folder, threads=threads)
+        return OnnxBackend(folder, threads=threads, spinning=False)
     from k3compile.backends.tvm import TvmBackend
 
     return TvmBackend(folder)
@@ -174,6 +177,7 @@ def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
     runs: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
         for name, engine in engines.items():
+            time.sleep(PAUSE_S)  # the previous backend's worker threads go idle before this one starts
             runs[name].append(measure(engine))
     return {name: {"median": _median(v), "runs": v} for name, v in runs.items()}
 

@@ -27,7 +27,8 @@ from k3compile.threads import default_threads
 
 
 class OnnxBackend:
-    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None) -> None:
+    def __init__(self, folder: str | Path, reference: bool = False, threads: int | None = None,
+                 spinning: bool = True) -> None:
         folder = Path(folder)
         self.record, self.config = open_export(folder, graph=True)
         self.interface = GraphInterface.of(self.config)
@@ -57,6 +58,8 @@ class OnnxBackend:
             opts.log_severity_level = 3
             opts.intra_op_num_threads = threads or default_threads(self.config)
             opts.inter_op_num_threads = 1
+            if not spinning:  # idle threads sleep at once instead of spinning (the benchmark runs backends in turn)
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
             try:
                 sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
             except Exception as e:  # onnxruntime raises its own exception types for bad files
