@@ -2,9 +2,10 @@
 compile path").
 
 OUT holds the library (`model.so`: the Relax VM executable for the target, k3 ops lowered to TIR kernels where a
-kernel covers them), the weights as named parameters (`weights.safetensors`), the ONNX it came from with its
-config.json and export.json, and `manifest.json` (target, versions, interface, the parameter order, the sha256 of
-every file), which `backends.tvm` checks before loading anything. OUT is written through artifact.ArtifactWriter.
+kernel covers them), the weights in the target's layout in the order the library takes them (`weights.safetensors`),
+the ONNX it came from with its config.json and export.json, and `manifest.json` (target and full TVM target,
+versions, interface, the parameter order, the sha256 of every file), which `backends.tvm` checks before loading
+anything. OUT is written through artifact.ArtifactWriter.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     export_dir = Path(export_dir)
     check_target(target)
     if dump_ir is not None:
-        dump_ir = _dump_folder(dump_ir)
+        _dump_folder(dump_ir, create=False)  # refused before any work; created once the compile starts
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     try:
@@ -87,11 +88,13 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     return manifest
 
 
-def _dump_folder(path: str | Path) -> Path:
+def _dump_folder(path: str | Path, create: bool = True) -> Path:
     """The --dump-ir folder: created if missing; an existing one must be empty (its files are never replaced)."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ExportError(f"{path}: --dump-ir needs a new or empty folder")
+    if not create:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -117,7 +120,7 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     step("importing into TVM Relax")
     mod, _, raw = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=True)
     step(f"lowering and scheduling for {tgt.describe()}")
-    mod = run_phases(mod, tgt, dump_dir=dump_ir)
+    mod = run_phases(mod, tgt, dump_dir=_dump_folder(dump_ir) if dump_ir is not None else None)
     step("compiling")
     tvm_target = tgt.tvm()
     executable = tvm.compile(mod, target=tvm_target, relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))

@@ -266,6 +266,9 @@ def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "mine.txt").write_text("keep")
     one_line_error(run("compile", folder, "-o", tmp_path / "busy"), "exists and is not empty")
+    one_line_error(run("compile", folder, "-o", tmp_path / "z", "--dump-ir", tmp_path / "busy"),
+                   "--dump-ir needs a new or empty folder")
+    assert (tmp_path / "busy" / "mine.txt").read_text() == "keep" and not (tmp_path / "z").exists()
     one_line_error(run("compile", tmp_path / "busy", "-o", tmp_path / "y"), "not an export folder")
     assert (tmp_path / "busy" / "mine.txt").read_text() == "keep"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
