@@ -195,6 +195,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     import tvm
 
     from k3compile.kernels.moe import moe_mxfp4_kernel
+    from k3compile.ops.activations import situ
     from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
     from k3compile.targets import resolve
 
@@ -224,9 +225,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
                 for j in range(k):
                     ex = int(routes[r][t, j])
                     h = F.linear(z[t:t + 1], f13[ex])
-                    g, u = h[:, :i], h[:, i:]
-                    out[t] += w[t, j] * F.linear(4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g)
-                                                 * 25.0 * torch.tanh(u / 25.0), f2[ex])[0]
+                    out[t] += w[t, j] * F.linear(situ(h[:, :i], h[:, i:], 4.0, 25.0), f2[ex])[0]
             return out
 
         times: dict[str, list[float]] = {"tvm_mxfp4": [], "torch_fp32": []}
@@ -295,9 +294,9 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     step = progress or (lambda msg: None)
     threads = threads or available_cores()
     set_threads(threads)
-    artifact = Path(cached_artifact(source, target=target, progress=step))
-    made = {"eager": source, "onnx": str(cached_export(source, progress=step)), "tvm": str(artifact)}
-    folders = {name: made[name] for name in backends}
+    artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
+    folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
+               else str(cached_export(source, progress=step)) for name in backends}
     config = read_config(artifact / "config.json")
     manifest = read_manifest(artifact)
 

@@ -12,6 +12,7 @@ sha256); a damaged one is built again in place (it is this cache's own folder). 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "k3compile"
 
 
+@functools.cache
 def _code_digest() -> str:
     """sha256 over k3compile's own source files (passes and targets included): a changed kernel or schedule is
     another entry even where the version number did not move."""

@@ -73,11 +73,10 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
     """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
     the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key.
     A compiled artifact (it holds its export) is checked the same way and compared with TVM too."""
-    from pathlib import Path
+    from k3compile.compile import read_manifest
+    from k3compile.source import ARTIFACT, kind_of
 
-    from k3compile.compile import MANIFEST, read_manifest
-
-    compiled = (Path(folder) / MANIFEST).is_file()
+    compiled = kind_of(folder) == ARTIFACT
     if compiled:
         read_manifest(folder)  # every file's sha256, before anything is built
     eager = eager_of(folder, source, threads)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
+from k3compile.compile import MANIFEST
 from k3compile.config import EXPERT_CHOICES
 from k3compile.interface import EXPORT_JSON, MODEL_FILE
 from k3compile.model.k3 import K3ForCausalLM, init_weights
@@ -28,7 +29,7 @@ def kind_of(source: str | Path) -> str:
     if isinstance(source, str) and source in PRESETS:
         return PRESET
     p = Path(source)
-    if p.is_dir() and (p / "manifest.json").is_file() and (p / MODEL_FILE).is_file():
+    if p.is_dir() and (p / MANIFEST).is_file() and (p / MODEL_FILE).is_file():
         return ARTIFACT
     if p.is_dir():
         if not any(p.glob("*.safetensors")) and ((p / MODEL_FILE).is_file() or (p / EXPORT_JSON).is_file()):

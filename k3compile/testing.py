@@ -21,9 +21,9 @@ __all__ = ["assert_matches_eager", "open_backend"]
 
 def open_backend(folder: str | Path, threads: int | None = None):
     """The backend that runs `folder`: TVM for a compiled artifact, onnxruntime for an export folder."""
-    from k3compile.compile import MANIFEST
+    from k3compile.source import ARTIFACT, kind_of
 
-    if (Path(folder) / MANIFEST).is_file():
+    if kind_of(folder) == ARTIFACT:
         from k3compile.backends.tvm import TvmBackend
 
         return TvmBackend(folder)

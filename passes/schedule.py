@@ -13,7 +13,7 @@ def schedule(target):
 
     @tvm.transform.module_pass(opt_level=0, name="K3Schedule")
     def run(mod, ctx):
-        mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+        mod = mod.clone()  # a pass leaves its input as it was
         for gv, func in list(mod.functions_items()):
             if isinstance(func, tvm.tirx.PrimFunc):
                 mod[gv] = target.schedule_func(func)
