@@ -16,7 +16,8 @@ Sections:
 - moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
   same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
   neither reads from a warm cache only;
-- kda: the TVM KDA recurrence kernel as T doubles (time per token should stay flat: linear in T);
+- kda: the TVM KDA kernels (chunked, and the token-by-token recurrence) as T doubles (time per token should
+  stay flat: linear in T);
 - roofline: bytes of weights a decode token reads (every dense weight, one embedding row, top-k / E of the packed
   experts) and the memory bandwidth measured here (a large array summed by torch) give the decode ceiling; TVM's
   decode is reported as a fraction of it.
@@ -246,16 +247,18 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
 
 
 def kda_scaling(config, target: str, repeats: int, lengths: tuple[int, ...] = (256, 512, 1024, 2048)) -> list[dict]:
-    """The TVM KDA recurrence kernel at batch 1 as T doubles."""
+    """The TVM KDA kernels at batch 1 as T doubles: the chunked one (the compile path's) and the token-by-token
+    recurrence, their repetitions interleaved."""
     import numpy as np
     import tvm
 
-    from k3compile.kernels.kda import kda_recurrence_kernel
+    from k3compile.kernels.kda import kda_chunked_kernel, kda_recurrence_kernel
     from k3compile.targets import resolve
 
     h, dk = config.kda_num_heads, config.kda_head_dim
-    lib = tvm.compile(tvm.IRModule({"main": kda_recurrence_kernel(h, dk, dk).with_attr("global_symbol", "main")}),
-                      target=resolve(target).tvm())
+    libs = {name: tvm.compile(tvm.IRModule({"main": make(h, dk, dk).with_attr("global_symbol", "main")}),
+                              target=resolve(target).tvm())
+            for name, make in (("chunked", kda_chunked_kernel), ("recurrent", kda_recurrence_kernel))}
     rng = np.random.default_rng(0)
     rows = []
     for length in lengths:
@@ -265,14 +268,18 @@ def kda_scaling(config, target: str, repeats: int, lengths: tuple[int, ...] = (2
         s0 = np.zeros((1, h, dk, dk), np.float32)
         args = [tvm.runtime.tensor(x) for x in (q, k_, v, g, beta, s0)]
         outs = [tvm.runtime.empty((1, length, h, dk), "float32"), tvm.runtime.empty((1, h, dk, dk), "float32")]
-        times = []
-        lib["main"](*args, *outs)  # warm-up
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for lib in libs.values():
+            lib["main"](*args, *outs)  # warm-up
         for _ in range(repeats):
-            t = time.perf_counter()
-            lib["main"](*args, *outs)
-            times.append(time.perf_counter() - t)
-        med = _median(times)
-        rows.append({"T": length, "recurrent_ms": med * 1e3, "us_per_token": med / length * 1e6})
+            for name, lib in libs.items():
+                t = time.perf_counter()
+                lib["main"](*args, *outs)
+                times[name].append(time.perf_counter() - t)
+        chunked, recurrent = _median(times["chunked"]), _median(times["recurrent"])
+        rows.append({"T": length, "chunked_ms": chunked * 1e3, "recurrent_ms": recurrent * 1e3,
+                     "us_per_token": chunked / length * 1e6, "recurrent_us_per_token": recurrent / length * 1e6,
+                     "chunked_speedup": recurrent / chunked})
     return rows
 
 

@@ -123,7 +123,9 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     mod = run_phases(mod, tgt, dump_dir=_dump_folder(dump_ir) if dump_ir is not None else None)
     step("compiling")
     tvm_target = tgt.tvm()
-    executable = tvm.compile(mod, target=tvm_target, relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    with tgt.compiling():
+        executable = tvm.compile(mod, target=tvm_target,
+                                 relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     step("putting the weights in the target's layout")
     vm = relax.VirtualMachine(executable, tvm.cpu())
     weights = list(vm["main_transform_params"](list(raw)))

@@ -56,6 +56,17 @@ class Target:
 
         return [*pipeline.dataflow_lower_passes(self.tvm()), *pipeline.finalize_passes(self.tvm())]
 
+    def compiling(self):
+        """A context manager to build in: the llvm family lowers exp, tanh and sigmoid with k3compile's own
+        (k3compile/kernels/vector_math.py: TVM's are a libm call per lane, and its tanh loses precision near 0)."""
+        import contextlib
+
+        if self.kind == "llvm":
+            from k3compile.kernels.vector_math import lowering
+
+            return lowering()
+        return contextlib.nullcontext()
+
     def describe(self) -> str:
         return str(self.tvm())
 

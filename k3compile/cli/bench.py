@@ -83,8 +83,10 @@ def table(result: dict) -> str:
                      f"{row['torch_fp32_ms']:.3f} | | TVM {row['tvm_mxfp4_ms']:.3f} ({row['speedup']:.2f}x) |")
     kda = result.get("kda", [])
     if kda:
-        lines.append("| KDA recurrence, us/token at T=" + ",".join(str(r["T"]) for r in kda) + " | | | "
+        lines.append("| KDA chunked kernel, us/token at T=" + ",".join(str(r["T"]) for r in kda) + " | | | "
                      + ", ".join(f"{r['us_per_token']:.1f}" for r in kda) + " |")
+        lines.append("| KDA chunked vs token-by-token kernel at T=" + ",".join(str(r["T"]) for r in kda) + " | | | "
+                     + ", ".join(f"{r['chunked_speedup']:.2f}x" for r in kda) + " |")
     roof = result.get("roofline")
     if roof:
         frac = roof["tvm_fraction"]

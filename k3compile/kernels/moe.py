@@ -22,8 +22,9 @@ MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
 (m << 22) + (126 << 23) (1, 1.5, 2, 3, 4, 6), the sign bit is nib & 8; the E8M0 byte b gives 2^(b−127) by placing
 b in a float's exponent bits (b = 0 is the fp32 subnormal 2^−127, b = 255 NaN). A block's 32 products are summed
-first and multiplied by the block's scale once. Activation quantization (MXFP8) is not in this kernel: such calls
-stay with the reference implementation.
+first and multiplied by the block's scale once (kernels/mx.py). With MXFP8 activations (`act_quant` "e4m3" / "e5m2")
+the kernel fake-quantizes z into a buffer first and the activation in place after SiTU / SiLU, in 32-wide blocks,
+bit-exact with the op's torch arithmetic.
 """
 
 from __future__ import annotations
@@ -35,31 +36,19 @@ def _tile(n: int) -> int:
     return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
 
 
-def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float):
-    from tvm import tirx
+def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float,
+                     act_quant: str = "none"):
     from tvm.script import tirx as T
+
+    from k3compile.kernels.mx import e8m0, fake_quant_block, fp4
+    from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
     d2, i2, dblk, iblk = width // 2, inter // 2, width // 32, inter // 32
     ta, tb, td = _tile(2 * inter), _tile(inter), _tile(width)  # column tiles of the three loops
     na, nb, nd = 2 * inter // ta, inter // tb, width // td
 
-    def fp4(byte, high: int):
-        """The E2M1 value of the low (high=0) or high (high=1) nibble of `byte` (a uint8 expression)."""
-        nib = tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8"))
-        mag = tirx.bitwise_and(nib, tirx.const(7, "uint8"))
-        value = tirx.Select(
-            mag < tirx.const(2, "uint8"), tirx.Cast("float32", mag) * tirx.const(0.5, "float32"),
-            tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", mag), tirx.const(22, "uint32"))
-                             + tirx.const(126 << 23, "uint32")))
-        sign = tirx.shift_left(tirx.Cast("uint32", tirx.bitwise_and(nib, tirx.const(8, "uint8"))),
-                               tirx.const(28, "uint32"))
-        return tirx.reinterpret("float32", tirx.bitwise_or(tirx.reinterpret("uint32", value), sign))
-
-    def e8m0(s):
-        """2^(s-127) of an E8M0 byte expression: s in a float's exponent bits; 0 -> 2^-127, 255 -> NaN."""
-        return tirx.Select(s == tirx.const(255, "uint8"), tirx.const(float("nan"), "float32"), tirx.Select(
-            s == tirx.const(0, "uint8"), tirx.reinterpret("float32", tirx.const(0x00400000, "uint32")),
-            tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", s), tirx.const(23, "uint32")))))
+    quantize = act_quant != "none"
+    quant = fake_quant_block(act_quant) if quantize else None
 
     @T.prim_func(private=True)
     def moe_mxfp4(z: T.handle, idx: T.handle, w: T.handle, w13: T.handle, w2: T.handle, s13: T.handle,
@@ -74,6 +63,11 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
         S13 = T.match_buffer(s13, (experts, dblk, 2 * inter), "uint8")
         S2 = T.match_buffer(s2, (experts, iblk, width), "uint8")
         Y = T.match_buffer(y, (N, width), "float32")
+        Zq = T.alloc_buffer((N, width) if quantize else (1,), "float32")
+        if quantize:  # MXFP8 fake quantization of the expert input, 32-wide blocks along D
+            for zb in T.parallel(N * dblk):
+                quant(Z, Zq, zb // dblk, zb % dblk * 32)
+        Zs = T.meta_var(Zq if quantize else Z)
         if N < GROUPED_MIN_TOKENS:  # decode: per-token GEMVs on the k routed experts
             H = T.alloc_buffer((N, 2 * inter), "float32")
             for nt in T.parallel(N * nd):
@@ -92,9 +86,9 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                             for p in range(16):
                                 for v in T.vectorized(ta):
                                     blk_acc[v] = blk_acc[v] + fp4(
-                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Z[
+                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Zs[
                                         nt // na, b * 32 + 2 * p] + fp4(
-                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Z[
+                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Zs[
                                         nt // na, b * 32 + 2 * p + 1]
                             for v in T.vectorized(ta):
                                 acc[v] = acc[v] + blk_acc[v] * e8m0(S13[Idx[nt // na, j] - offset, b, nt % na * ta + v])
@@ -103,13 +97,16 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                 for nt in T.parallel(N * nb):  # the activation, in place in the gate half
                     for v in T.vectorized(tb):
                         if situ:
-                            H[nt // nb, nt % nb * tb + v] = T.float32(beta) * T.tanh(
-                                H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
-                                H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
+                            H[nt // nb, nt % nb * tb + v] = T.float32(beta) * tanh_f32(
+                                H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * sigmoid_f32(
+                                H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * tanh_f32(
                                     H[nt // nb, inter + nt % nb * tb + v] / T.float32(linear_beta)))
                         else:
-                            H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * T.sigmoid(
+                            H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * sigmoid_f32(
                                 H[nt // nb, nt % nb * tb + v]) * H[nt // nb, inter + nt % nb * tb + v]
+                if quantize:  # and of the activation, 32-wide blocks along I
+                    for hb in T.parallel(N * iblk):
+                        quant(H, H, hb // iblk, hb % iblk * 32)
                 for nt in T.parallel(N * nd):  # y += w · W2[e] · act, tile of td columns
                     acc = T.alloc_buffer((td,), "float32", scope="local")
                     blk_acc = T.alloc_buffer((td,), "float32", scope="local")
@@ -167,19 +164,22 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                             acc[v] = T.float32(0)
                         for c in range(32):
                             for v in T.vectorized(ta):
-                                acc[v] = acc[v] + Z[order[r] // K, b * 32 + c] * tile[c, v]
+                                acc[v] = acc[v] + Zs[order[r] // K, b * 32 + c] * tile[c, v]
                         for v in T.vectorized(ta):
                             G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v]
             for rt in T.parallel(N * K * nb):  # the activation, in place (rows of pairs outside the slice unused)
                 for v in T.vectorized(tb):
                     if situ:
-                        G[rt // nb, rt % nb * tb + v] = T.float32(beta) * T.tanh(
-                            G[rt // nb, rt % nb * tb + v] / T.float32(beta)) * T.sigmoid(
-                            G[rt // nb, rt % nb * tb + v]) * (T.float32(linear_beta) * T.tanh(
+                        G[rt // nb, rt % nb * tb + v] = T.float32(beta) * tanh_f32(
+                            G[rt // nb, rt % nb * tb + v] / T.float32(beta)) * sigmoid_f32(
+                            G[rt // nb, rt % nb * tb + v]) * (T.float32(linear_beta) * tanh_f32(
                                 G[rt // nb, inter + rt % nb * tb + v] / T.float32(linear_beta)))
                     else:
-                        G[rt // nb, rt % nb * tb + v] = G[rt // nb, rt % nb * tb + v] * T.sigmoid(
+                        G[rt // nb, rt % nb * tb + v] = G[rt // nb, rt % nb * tb + v] * sigmoid_f32(
                             G[rt // nb, rt % nb * tb + v]) * G[rt // nb, inter + rt % nb * tb + v]
+            if quantize:
+                for rb in T.parallel(N * K * iblk):
+                    quant(G, G, rb // iblk, rb % iblk * 32)
             for et in T.parallel(experts * nd):  # o = w · W2[e] · act for every pair routed to e
                 tile = T.alloc_buffer((32, td), "float32", scope="local")
                 acc = T.alloc_buffer((td,), "float32", scope="local")

@@ -57,7 +57,7 @@ def test_relax_module_keeps_dims_symbolic_and_k3_nodes_as_calls(tvm_tiny):
     main = str(backend.mod["main"])
     assert "call_dps_packed" not in main
     assert main.count("R.call_tir(k3_kda_recurrence_2_16_16,") == len(cfg.kda_layers)
-    assert main.count("R.call_tir(k3_latent_moe_dispatch_mxfp4_8_32_32_0_situ_4p0_25p0,") == \
+    assert main.count("R.call_tir(k3_latent_moe_dispatch_mxfp4_8_32_32_0_situ_4p0_25p0_none,") == \
         cfg.num_hidden_layers - cfg.first_k_dense_replace
 
 
@@ -345,11 +345,12 @@ def test_assert_matches_eager_catches_a_wrong_weight(tmp_path, tvm_artifact):
 
 
 def test_tvm_equals_eager_with_mxfp8_activations(tiny_mxfp8_export):
-    """MXFP8 activation quantization in front of the experts: the MoE calls stay on the op's reference
-    implementation (no kernel yet), the rest is compiled; the whole equals eager in the exported forms."""
+    """MXFP8 activation quantization in front of the experts, in the MoE kernel: the whole equals eager in the
+    exported forms."""
     model, folder, _ = tiny_mxfp8_export
     backend = TvmBackend(folder)
-    assert 'call_dps_packed("k3.latent_moe_dispatch_mxfp4"' in str(backend.mod["main"])
+    main = str(backend.mod["main"])
+    assert "call_dps_packed" not in main and "k3_latent_moe_dispatch_mxfp4_8_32_32_0_situ_4p0_25p0_e4m3" in main
     rows = compare(EagerBackend(model, Forms.exported("e4m3")), backend, decode_steps=2, prompts=PROMPTS)
     bad = [r for r in rows if not r["max_abs"] <= ATOL]
     assert not bad, bad[:3]

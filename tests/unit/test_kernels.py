@@ -15,50 +15,82 @@ tvm = pytest.importorskip("tvm")
 
 @pytest.fixture(scope="module")
 def kda_lib():
-    from k3compile.kernels.kda import kda_recurrence_kernel
+    from k3compile.kernels.kda import kda_chunked_kernel, kda_recurrence_kernel
 
     libs = {}
 
-    def build(h, k, v):
-        if (h, k, v) not in libs:
-            f = kda_recurrence_kernel(h, k, v).with_attr("global_symbol", "main")
-            libs[(h, k, v)] = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
-        return libs[(h, k, v)]
+    def build(h, k, v, form="chunked", chunk=None):
+        key = (h, k, v, form, chunk)
+        if key not in libs:
+            if form == "chunked":
+                f = kda_chunked_kernel(h, k, v) if chunk is None else kda_chunked_kernel(h, k, v, chunk)
+            else:
+                f = kda_recurrence_kernel(h, k, v)
+            libs[key] = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target="llvm")
+        return libs[key]
 
     return build
 
 
-def _inputs(b, t, h, k, v, seed):
+def _inputs(b, t, h, k, v, seed, decay=3.0):
     gen = torch.Generator().manual_seed(seed)
     q = l2_normalize(torch.randn(b, t, h, k, generator=gen)) * k**-0.5
     kk = l2_normalize(torch.randn(b, t, h, k, generator=gen))
     vv = torch.randn(b, t, h, v, generator=gen)
-    g = -torch.rand(b, t, h, k, generator=gen) * 3
+    g = -torch.rand(b, t, h, k, generator=gen) * decay
     beta = torch.rand(b, t, h, generator=gen)
     s0 = torch.randn(b, h, k, v, generator=gen)
     return q, kk, vv, g, beta, s0
 
 
-@pytest.mark.parametrize("b,t,h,k,v", [(2, 1, 3, 16, 16), (1, 70, 2, 8, 24), (3, 9, 1, 24, 8)])
-def test_kda_kernel_equals_the_recurrence(kda_lib, b, t, h, k, v):
+def _run(lib, args, b, t, h, k, v):
+    out = [tvm.runtime.empty((b, t, h, v), "float32"), tvm.runtime.empty((b, h, k, v), "float32")]
+    lib["main"](*[tvm.runtime.tensor(x.numpy()) for x in args], *out)
+    return out[0].numpy(), out[1].numpy()
+
+
+# T = 1 (decode: the tail only), T < chunk, T a multiple of the chunk (no tail), long T with a tail; head and
+# widths that are not the register blocks' multiples (K = 24: lanes of 8; V = 8, 24)
+KDA_SHAPES = [(2, 1, 3, 16, 16), (1, 70, 2, 8, 24), (3, 9, 1, 24, 8), (2, 16, 2, 16, 16), (1, 5, 2, 16, 8),
+              (1, 131, 1, 32, 32)]
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("b,t,h,k,v", KDA_SHAPES)
+def test_kda_kernel_equals_the_recurrence(kda_lib, form, b, t, h, k, v):
     args = _inputs(b, t, h, k, v, seed=t)
     want_o, want_s = kda_recurrent(*args)
-    out = [tvm.runtime.empty((b, t, h, v), "float32"), tvm.runtime.empty((b, h, k, v), "float32")]
-    kda_lib(h, k, v)["main"](*[tvm.runtime.tensor(x.numpy()) for x in args], *out)
-    # fp32, the same recurrence in the same order up to the sums over K (observed ~6e-8)
-    np.testing.assert_allclose(out[0].numpy(), want_o.numpy(), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(out[1].numpy(), want_s.numpy(), rtol=0, atol=1e-5)
+    o, s = _run(kda_lib(h, k, v, form), args, b, t, h, k, v)
+    # fp32; the chunked kernel sums in another order (pair terms, S₀ products) and its exp is a polynomial with
+    # ~1e-7 relative error (observed ≤ 2e-7)
+    np.testing.assert_allclose(o, want_o.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(s, want_s.numpy(), rtol=0, atol=1e-5)
     # and the op the model calls (chunked for t > 1): the same up to the chunked form's ~1e-6
     op_o, op_s = kda_recurrence(*args)
-    np.testing.assert_allclose(out[0].numpy(), op_o.numpy(), rtol=0, atol=1e-4)
-    np.testing.assert_allclose(out[1].numpy(), op_s.numpy(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(o, op_o.numpy(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(s, op_s.numpy(), rtol=0, atol=1e-4)
 
 
-def test_kda_kernel_leaves_its_input_state_alone(kda_lib):
-    args = _inputs(1, 5, 2, 8, 8, seed=3)
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_kda_chunked_kernel_other_chunks_and_strong_decay(kda_lib, chunk):
+    """Decays of up to e^-60 a step (γ over a chunk far below float32's range: only differences γ_t − γ_s ≤ 0 are
+    exponentiated, so nothing overflows) and a zero decay."""
+    b, t, h, k, v = 1, 37, 2, 16, 16
+    args = list(_inputs(b, t, h, k, v, seed=chunk, decay=60.0))
+    args[3][:, 3:9] = 0.0
+    want_o, want_s = kda_recurrent(*args)
+    o, s = _run(kda_lib(h, k, v, "chunked", chunk), args, b, t, h, k, v)
+    assert np.isfinite(o).all() and np.isfinite(s).all()
+    np.testing.assert_allclose(o, want_o.numpy(), rtol=0, atol=1e-5)  # fp32, as above
+    np.testing.assert_allclose(s, want_s.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_kda_kernel_leaves_its_input_state_alone(kda_lib, form):
+    args = _inputs(1, 11, 2, 8, 8, seed=3)
     s0 = tvm.runtime.tensor(args[-1].numpy())
-    out = [tvm.runtime.empty((1, 5, 2, 8), "float32"), tvm.runtime.empty((1, 2, 8, 8), "float32")]
-    kda_lib(2, 8, 8)["main"](*[tvm.runtime.tensor(x.numpy()) for x in args[:-1]], s0, *out)
+    out = [tvm.runtime.empty((1, 11, 2, 8), "float32"), tvm.runtime.empty((1, 2, 8, 8), "float32")]
+    kda_lib(2, 8, 8, form)["main"](*[tvm.runtime.tensor(x.numpy()) for x in args[:-1]], s0, *out)
     assert np.array_equal(s0.numpy(), args[-1].numpy())
 
 
@@ -104,12 +136,13 @@ def _moe_inputs(n, d, i, e, k, high, seed):
     return [z, idx, w, w13, w2, s13, s2]
 
 
-def _run_moe(args, e, i, d, offset, activation):
+def _run_moe(args, e, i, d, offset, activation, act_quant="none"):
     from k3compile.targets import resolve
 
     from k3compile.kernels.moe import moe_mxfp4_kernel
 
-    f = moe_mxfp4_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0).with_attr("global_symbol", "main")
+    f = moe_mxfp4_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant).with_attr("global_symbol",
+                                                                                                  "main")
     y = tvm.runtime.empty((args[0].shape[0], d), "float32")
     # the kernel reads the CPU target's "kn" layout: [E, rows, cols/2] -> [E, cols/2, rows]
     feeds = [x.numpy() for x in args[:3]] + [np.ascontiguousarray(x.numpy().transpose(0, 2, 1)) for x in args[3:]]
@@ -133,6 +166,21 @@ def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, activation), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("act_quant", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("n", [3, 20])  # per-token GEMVs; grouped by expert
+def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    d, i, e, k, offset = 64, 64, 4, 2, 1
+    args = _moe_inputs(n, d, i, e, k, high=offset + e + 1, seed=n)
+    args[0] = args[0] * torch.logspace(-3, 3, d)  # blocks of very different scales
+    want = latent_moe_dispatch(*args, offset, "situ", 4.0, 25.0, act_quant).numpy()
+    plain = latent_moe_dispatch(*args, offset, "situ", 4.0, 25.0, "none").numpy()
+    assert np.abs(want - plain).max() > 1e-3  # the quantization shows in the output
+    # fp32: the quantized activations are bit-exact (tests/unit/test_mx_kernels.py); products summed in another order
+    np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_cases_above_cover_both_kernel_paths():
     from k3compile.kernels.moe import GROUPED_MIN_TOKENS
 
@@ -152,7 +200,7 @@ def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
     np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-5)  # token 1 does not
 
 
-def test_pass_lowers_the_moe_unless_activations_are_quantized():
+def test_pass_lowers_the_moe_with_and_without_quantized_activations():
     from k3compile.passes import run_phases
     from tvm import relax
 
@@ -174,5 +222,7 @@ def test_pass_lowers_the_moe_unless_activations_are_quantized():
             bb.emit_func_output(gv)
         return str(run_phases(bb.get(), upto="lower-k3-calls")["main"])
 
-    assert "call_dps_packed" not in module("none") and "k3_latent_moe_dispatch_mxfp4_4_32_32_0_situ" in module("none")
-    assert 'call_dps_packed("k3.latent_moe_dispatch_mxfp4"' in module("e4m3")  # MXFP8: stays on the reference
+    for act_quant in ("none", "e4m3"):
+        lowered = module(act_quant)
+        assert "call_dps_packed" not in lowered
+        assert f"k3_latent_moe_dispatch_mxfp4_4_32_32_0_situ_4p0_25p0_{act_quant}" in lowered
