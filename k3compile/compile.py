@@ -44,25 +44,39 @@ def check_target(target: str) -> None:
 
 
 def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm", overwrite: bool = False,
-                   progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None) -> dict:
-    """Compile an export folder for `target` into the artifact folder `out`; returns the manifest."""
+                   progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
+                   tune: int = 0) -> dict:
+    """Compile an export folder for `target` into the artifact folder `out`; returns the manifest. With `tune` > 0
+    the artifact also holds decode.so, tuned with that many meta_schedule trials (k3compile/tune.py)."""
+    import tempfile
+
     import onnx
     import tvm
     from safetensors.numpy import save_file
 
     from k3compile.targets import resolve
+    from k3compile.tune import DECODE_LIBRARY, RECORDS, WORKLOADS
 
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
     check_target(target)
+    if tune < 0:
+        raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
     if dump_ir is not None:
         _dump_folder(dump_ir, create=False)  # refused before any work; created once the compile starts
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     try:
-        with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w:
+        with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
             _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
             executable.export_library(str(w.path / LIBRARY))
+            tuning = None
+            if tune:
+                decode, rows = build_decode(export_dir, target, tune, work, progress=step)
+                decode.export_library(str(w.path / DECODE_LIBRARY))
+                for name in (WORKLOADS, RECORDS):
+                    shutil.copyfile(Path(work) / name, w.path / name)
+                tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
             save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
             for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
                 if (export_dir / name).is_file():
@@ -75,6 +89,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
                 "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
                 "interface": GraphInterface.of(cfg).as_record(),
                 "params": names,
+                **({"tuning": tuning} if tuning else {}),
                 "compile_s": round(time.perf_counter() - t0, 3),
                 "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
             }
@@ -134,6 +149,41 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     return mod, executable, names, weights
 
 
+def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Path,
+                 progress: Callable[[str], None] | None = None):
+    """The decode library of `--tune` (k3compile/tune.py): the export imported with batch = seq = 1, lowered and
+    scheduled like `main`, its static functions tuned; it takes main's weights, which is checked (the two weight
+    transforms must be the same function). Returns (executable, tuning rows)."""
+    import onnx
+    import tvm
+    import tvm_ffi
+
+    from k3compile.frontend import to_relax
+    from k3compile.passes import run_phases
+    from k3compile.passes.legalize_fuse import legalize_fuse
+    from k3compile.passes.schedule import schedule
+    from k3compile.targets import resolve
+    from k3compile.tune import decode_proto, tune_decode
+
+    step = progress or (lambda msg: None)
+    tgt = resolve(target)
+    step("importing the decode step (batch = seq = 1)")
+    proto = onnx.load(str(Path(export_dir) / MODEL_FILE))
+    main_mod, _, _ = to_relax(proto, keep_params=True)
+    main_mod = run_phases(main_mod, tgt, upto="lift-weight-transforms")
+    mod, _, _ = to_relax(decode_proto(proto), keep_params=True)
+    del proto
+    mod = run_phases(mod, tgt, upto="lift-weight-transforms")
+    if not tvm_ffi.structural_equal(mod["main_transform_params"], main_mod["main_transform_params"]):
+        raise ExportError(f"{export_dir}: the decode step's weights are not main's; it cannot be tuned apart")
+    legalized = legalize_fuse(tgt)(mod)
+    mod, rows = tune_decode(legalized, schedule(tgt)(legalized), tgt, trials, work_dir, progress=step)
+    step("compiling the decode library")
+    with tgt.compiling():
+        executable = tvm.compile(mod, target=tgt.tvm(), relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    return executable, rows
+
+
 def _unique(names: list[str]) -> list[str]:
     """The names, a repeated one suffixed `#2`, `#3`… (lifted weights are named after bindings, which can repeat)."""
     seen: dict[str, int] = {}
@@ -157,7 +207,8 @@ def read_manifest(folder: str | Path) -> dict:
             and isinstance(doc.get("params"), list) and all(isinstance(p, str) for p in doc["params"])
             and all(isinstance(k, str) and Path(k).name == k and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                     for k, v in files.items())
-            and {LIBRARY, WEIGHTS, CONFIG_FILE} <= set(files)):
+            and {LIBRARY, WEIGHTS, CONFIG_FILE} <= set(files)
+            and ("tuning" not in doc or isinstance(doc["tuning"], dict) and doc["tuning"].get("library") in files)):
         raise ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest (damaged or edited; compile again)")
     for name, digest in files.items():
         path = folder / name

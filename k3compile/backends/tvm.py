@@ -54,6 +54,9 @@ class TvmBackend:
             self._compile_export(folder, target)
         self.compile_s = time.perf_counter() - t0
         self._vm = relax.VirtualMachine(self.executable, self.device)
+        self._decode_vm = None
+        if getattr(self, "_decode_executable", None) is not None:
+            self._decode_vm = relax.VirtualMachine(self._decode_executable, self.device)
 
     def _compile_export(self, folder: Path, target: str) -> None:
         from k3compile.compile import build
@@ -63,7 +66,6 @@ class TvmBackend:
         self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:
-        import tvm
 
         from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
@@ -78,11 +80,11 @@ class TvmBackend:
         if self.manifest.get("tvm_target") != here:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
                               f"({here}); compile it again here")
-        try:
-            self.executable = tvm.runtime.load_module(str(folder / LIBRARY))
-        except Exception as e:  # TVM's loader raises its own error types for a bad library
-            raise ExportError(f"{folder / LIBRARY}: cannot load it ({str(e).splitlines()[0][:200]})") from None
+        self.executable = _load_library(folder / LIBRARY)
         self._params = read_weights(folder / WEIGHTS, self.manifest["params"], self.device)
+        tuning = self.manifest.get("tuning")
+        if tuning:  # compile --tune: a library for decode at batch 1 (k3compile/tune.py), on the same weights
+            self._decode_executable = _load_library(folder / tuning["library"])
 
     def _input(self, x: np.ndarray):
         """A TVM tensor of `x`: shared when it is already aligned as TVM needs (a `present` the VM wrote and that
@@ -100,8 +102,18 @@ class TvmBackend:
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         feeds = [self._input(x) for x in numpy_inputs(input_ids, attention_mask, past)]
-        outs = [torch.from_dlpack(o) for o in self._vm["main"](*feeds, *self._params)]  # shared, not copied
+        vm = self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        outs = [torch.from_dlpack(o) for o in vm["main"](*feeds, *self._params)]  # shared, not copied
         return outs[0], unflatten(outs[1:])
+
+
+def _load_library(path: Path):
+    import tvm
+
+    try:
+        return tvm.runtime.load_module(str(path))
+    except Exception as e:  # TVM's loader raises its own error types for a bad library
+        raise ExportError(f"{path}: cannot load it ({str(e).splitlines()[0][:200]})") from None
 
 
 # what compile writes (numpy can view each through DLPack): safetensors dtype -> (TVM dtype, bytes)

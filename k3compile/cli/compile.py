@@ -15,17 +15,25 @@ from k3compile.cli.common import dumps, status, user_errors
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
 @click.option("--dump-ir", "dump_ir", type=click.Path(file_okay=False), default=None,
               help="Write the IR before and after each compile phase (TVMScript) into this new or empty folder.")
+@click.option("--tune", "tune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all; 0: no "
+                   "tuning. Minutes: each builder worker starts in ~1 minute.")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, overwrite, dump_ir, as_json, quiet):
+def command(folder, out, target, overwrite, dump_ir, tune, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
 
     with user_errors(), status(f"compiling {folder}", quiet) as step:
-        manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir)
+        manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir,
+                                  tune=tune)
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
                    f"compiled in {manifest['compile_s']:.1f} s")
+        for row in manifest.get("tuning", {}).get("functions", []):
+            tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"
+            click.echo(f"  decode {row['function']} (x{row['calls']}): hand {row['hand_us']:.1f} us, tuned {tuned}: "
+                       f"{row['chosen']}")
