@@ -133,7 +133,6 @@ def tune_decode(legalized, scheduled, target, trials: int, work_dir: str | Path,
     where that measured faster; `legalized` is the same module before scheduling. Returns (module, rows): one row
     per task {function, calls, hand_us, tuned_us, chosen}."""
     import numpy as np
-    import tvm
     from tvm.s_tir import meta_schedule as ms
 
     step = progress or (lambda msg: None)
