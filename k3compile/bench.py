@@ -195,7 +195,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     import torch.nn.functional as F
     import tvm
 
-    from k3compile.kernels.moe import moe_mxfp4_kernel
+    from k3compile.kernels.moe import moe_kernel as tvm_moe_kernel
     from k3compile.ops.activations import situ
     from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
     from k3compile.targets import resolve
@@ -206,7 +206,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     (w13, s13), (w2, s2) = (quantize_mxfp4(torch.randn(e, 2 * i, d, generator=gen) * 0.05),
                             quantize_mxfp4(torch.randn(e, d, i, generator=gen) * 0.05))
     f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
-    lib = tvm.compile(tvm.IRModule({"main": moe_mxfp4_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
+    lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
         "global_symbol", "main")}), target=resolve(target).tvm())
     packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
     def measure(n: int) -> dict:

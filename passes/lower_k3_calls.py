@@ -50,19 +50,24 @@ def kda_factory(args, target=None):
     return sizes, lambda: kda_chunked_kernel(*sizes), list(args)
 
 
-def moe_mxfp4_factory(args, target=None):
-    """k3.latent_moe_dispatch_mxfp4(z, idx, w, w13, w2, s13, s2, offset, activation, beta, linear_beta, act_quant):
-    specialized to (E, I, D, offset, activation, betas, act_quant). The kernel reads the four expert arrays in the
-    "kn" layout ([E, rows, cols/2] -> [E, cols/2, rows])."""
+def moe_factory(args, target=None, mx: bool = True):
+    """k3.latent_moe_dispatch_mxfp4(z, idx, w, w13, w2, s13, s2, offset, activation, beta, linear_beta, act_quant),
+    or k3.latent_moe_dispatch (float32 experts, no scales): specialized to (E, I, D, offset, activation, betas,
+    act_quant). The kernel reads the expert arrays in the "kn" layout ([E, rows, cols] -> [E, cols, rows]); float
+    experts get two one-byte placeholders for the scales."""
+    import numpy as np
     from tvm import relax
 
-    from k3compile.kernels.moe import moe_mxfp4_kernel
+    from k3compile.kernels.moe import moe_kernel
     from k3compile.ops.mxfp4_matmul import ACT_QUANT
 
-    tensors, attrs = list(args[:7]), [_value(a) for a in args[7:]]
+    n = 7 if mx else 5
+    tensors, attrs = list(args[:n]), [_value(a) for a in args[n:]]
     w13 = tensors[3].ty.shape
     sizes = (_static(w13[0]), _static(w13[1]), _static(tensors[0].ty.shape[1]))
     if None in sizes or None in attrs or attrs[4] not in ACT_QUANT or sizes[1] % 64 or sizes[2] % 32:
+        return None
+    if not mx and not (str(tensors[3].ty.dtype) == str(tensors[4].ty.dtype) == "float32"):
         return None
     experts, inter, width = sizes[0], sizes[1] // 2, sizes[2]
     offset, activation, beta, linear_beta, act_quant = int(attrs[0]), attrs[1], float(attrs[2]), float(attrs[3]), \
@@ -71,8 +76,10 @@ def moe_mxfp4_factory(args, target=None):
         return None
     key = (experts, inter, width, offset, activation, beta, linear_beta, act_quant)
     tensors[3:] = [relax.op.permute_dims(t, [0, 2, 1]) for t in tensors[3:]]
-    return key, lambda: moe_mxfp4_kernel(experts, inter, width, offset, activation == "situ", beta,
-                                         linear_beta, act_quant), tensors
+    if not mx:
+        tensors += [relax.const(np.zeros((1, 1, 1), np.uint8))] * 2
+    return key, lambda: moe_kernel(experts, inter, width, offset, activation == "situ", beta, linear_beta,
+                                   act_quant, mx), tensors
 
 
 def mxfp4_matmul_factory(args, target=None):
@@ -98,8 +105,12 @@ def mxfp4_matmul_factory(args, target=None):
     return (k, n, act_quant), lambda: mxfp4_matmul_kernel(k, n, act_quant), tensors, out
 
 
-KERNELS: dict[str, Callable] = {"k3.kda_recurrence": kda_factory, "k3.latent_moe_dispatch_mxfp4": moe_mxfp4_factory,
-                                "k3.mxfp4_matmul": mxfp4_matmul_factory}
+KERNELS: dict[str, Callable] = {
+    "k3.kda_recurrence": kda_factory,
+    "k3.latent_moe_dispatch_mxfp4": moe_factory,
+    "k3.latent_moe_dispatch": functools.partial(moe_factory, mx=False),
+    "k3.mxfp4_matmul": mxfp4_matmul_factory,
+}
 
 
 def lower_k3_calls(target=None, kernels: dict[str, Callable] | None = None):

@@ -1,5 +1,5 @@
-"""The latent-MoE dispatch with MXFP4 experts as a TIR kernel for CPU targets (docs/model.md, "Router and latent MoE";
-docs/mx.md; the layout choice: docs/toolchain.md, "CPU schedules").
+"""The latent-MoE dispatch with MXFP4 (or float32) experts as a TIR kernel for CPU targets (docs/model.md, "Router and
+latent MoE"; docs/mx.md; the layout choice: docs/toolchain.md, "CPU schedules").
 
 Inputs: z [N, D], idx [N, k] int64, w [N, k], and the packed experts in the "kn" layout the CPU target stores
 (phase 1 transposes the k3 node's [E, rows, cols/2] arrays, phase 2 lifts that to compile time): w13 [E, D/2, 2I]
@@ -24,7 +24,8 @@ MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 
 b in a float's exponent bits (b = 0 is the fp32 subnormal 2^−127, b = 255 NaN). A block's 32 products are summed
 first and multiplied by the block's scale once (kernels/mx.py). With MXFP8 activations (`act_quant` "e4m3" / "e5m2")
 the kernel fake-quantizes z into a buffer first and the activation in place after SiTU / SiLU, in 32-wide blocks,
-bit-exact with the op's torch arithmetic.
+bit-exact with the op's torch arithmetic. Float32 experts (w13 [E, D, 2I], w2 [E, I, D] in the same layout) take
+the same loops, a float read where a nibble is decoded and no scale.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def _tile(n: int) -> int:
     return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
 
 
-def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float,
-                     act_quant: str = "none"):
+def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float,
+               act_quant: str = "none", mx: bool = True):
+    """The kernel for the sizes and attributes of one call; `mx`: MXFP4 experts ("kn" layout), else float32 experts
+    [E, D, 2I] / [E, I, D] (the two scale arguments then one-byte placeholders, never read)."""
+    from tvm import tirx
     from tvm.script import tirx as T
 
     from k3compile.kernels.mx import e8m0, fake_quant_block, fp4
@@ -47,21 +51,30 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
     ta, tb, td = _tile(2 * inter), _tile(inter), _tile(width)  # column tiles of the three loops
     na, nb, nd = 2 * inter // ta, inter // tb, width // td
 
+    wtype = "uint8" if mx else "float32"
+
+    def elem(W, e, b, p, col, high: int):
+        """Row 32 b + 2 p + high of expert e's weight (a column of the output): an E2M1 nibble, or a float."""
+        return fp4(W[e, b * 16 + p, col], high) if mx else W[e, b * 32 + 2 * p + high, col]
+
+    def scale(S, e, b, col):
+        return e8m0(S[e, b, col]) if mx else tirx.const(1.0, "float32")
+
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None
 
     @T.prim_func(private=True)
-    def moe_mxfp4(z: T.handle, idx: T.handle, w: T.handle, w13: T.handle, w2: T.handle, s13: T.handle,
+    def moe(z: T.handle, idx: T.handle, w: T.handle, w13: T.handle, w2: T.handle, s13: T.handle,
                   s2: T.handle, y: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         N, K = T.int64(), T.int64()
         Z = T.match_buffer(z, (N, width), "float32")
         Idx = T.match_buffer(idx, (N, K), "int64")
         Wt = T.match_buffer(w, (N, K), "float32")
-        W13 = T.match_buffer(w13, (experts, d2, 2 * inter), "uint8")
-        W2 = T.match_buffer(w2, (experts, i2, width), "uint8")
-        S13 = T.match_buffer(s13, (experts, dblk, 2 * inter), "uint8")
-        S2 = T.match_buffer(s2, (experts, iblk, width), "uint8")
+        W13 = T.match_buffer(w13, (experts, d2 if mx else width, 2 * inter), wtype)
+        W2 = T.match_buffer(w2, (experts, i2 if mx else inter, width), wtype)
+        S13 = T.match_buffer(s13, (experts, dblk, 2 * inter) if mx else (1, 1, 1), "uint8")
+        S2 = T.match_buffer(s2, (experts, iblk, width) if mx else (1, 1, 1), "uint8")
         Y = T.match_buffer(y, (N, width), "float32")
         Zq = T.alloc_buffer((N, width) if quantize else (1,), "float32")
         if quantize:  # MXFP8 fake quantization of the expert input, 32-wide blocks along D
@@ -85,13 +98,14 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                                 blk_acc[v] = T.float32(0)
                             for p in range(16):
                                 for v in T.vectorized(ta):
-                                    blk_acc[v] = blk_acc[v] + fp4(
-                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 0) * Zs[
-                                        nt // na, b * 32 + 2 * p] + fp4(
-                                        W13[Idx[nt // na, j] - offset, b * 16 + p, nt % na * ta + v], 1) * Zs[
+                                    blk_acc[v] = blk_acc[v] + elem(
+                                        W13, Idx[nt // na, j] - offset, b, p, nt % na * ta + v, 0) * Zs[
+                                        nt // na, b * 32 + 2 * p] + elem(
+                                        W13, Idx[nt // na, j] - offset, b, p, nt % na * ta + v, 1) * Zs[
                                         nt // na, b * 32 + 2 * p + 1]
                             for v in T.vectorized(ta):
-                                acc[v] = acc[v] + blk_acc[v] * e8m0(S13[Idx[nt // na, j] - offset, b, nt % na * ta + v])
+                                acc[v] = acc[v] + blk_acc[v] * scale(S13, Idx[nt // na, j] - offset, b,
+                                                                     nt % na * ta + v)
                     for v in T.vectorized(ta):
                         H[nt // na, nt % na * ta + v] = acc[v]
                 for nt in T.parallel(N * nb):  # the activation, in place in the gate half
@@ -118,13 +132,14 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                                 blk_acc[v] = T.float32(0)
                             for p in range(16):
                                 for v in T.vectorized(td):
-                                    blk_acc[v] = blk_acc[v] + fp4(
-                                        W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 0) * H[
-                                        nt // nd, b * 32 + 2 * p] + fp4(
-                                        W2[Idx[nt // nd, j] - offset, b * 16 + p, nt % nd * td + v], 1) * H[
+                                    blk_acc[v] = blk_acc[v] + elem(
+                                        W2, Idx[nt // nd, j] - offset, b, p, nt % nd * td + v, 0) * H[
+                                        nt // nd, b * 32 + 2 * p] + elem(
+                                        W2, Idx[nt // nd, j] - offset, b, p, nt % nd * td + v, 1) * H[
                                         nt // nd, b * 32 + 2 * p + 1]
                             for v in T.vectorized(td):
-                                acc[v] = acc[v] + blk_acc[v] * e8m0(S2[Idx[nt // nd, j] - offset, b, nt % nd * td + v])
+                                acc[v] = acc[v] + blk_acc[v] * scale(S2, Idx[nt // nd, j] - offset, b,
+                                                                     nt % nd * td + v)
                         for v in T.vectorized(td):
                             Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[nt // nd, j] * acc[v]
 
@@ -155,10 +170,10 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                 for b in range(dblk):
                     for p in range(16):
                         for v in T.vectorized(ta):
-                            tile[2 * p, v] = fp4(W13[et // na, b * 16 + p, et % na * ta + v], 0) * e8m0(
-                                S13[et // na, b, et % na * ta + v])
-                            tile[2 * p + 1, v] = fp4(W13[et // na, b * 16 + p, et % na * ta + v], 1) * e8m0(
-                                S13[et // na, b, et % na * ta + v])
+                            tile[2 * p, v] = elem(W13, et // na, b, p, et % na * ta + v, 0) * scale(
+                                S13, et // na, b, et % na * ta + v)
+                            tile[2 * p + 1, v] = elem(W13, et // na, b, p, et % na * ta + v, 1) * scale(
+                                S13, et // na, b, et % na * ta + v)
                     for r in range(cnt[et // na], cnt[et // na + 1]):
                         for v in T.vectorized(ta):
                             acc[v] = T.float32(0)
@@ -189,10 +204,10 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                 for b in range(iblk):
                     for p in range(16):
                         for v in T.vectorized(td):
-                            tile[2 * p, v] = fp4(W2[et // nd, b * 16 + p, et % nd * td + v], 0) * e8m0(
-                                S2[et // nd, b, et % nd * td + v])
-                            tile[2 * p + 1, v] = fp4(W2[et // nd, b * 16 + p, et % nd * td + v], 1) * e8m0(
-                                S2[et // nd, b, et % nd * td + v])
+                            tile[2 * p, v] = elem(W2, et // nd, b, p, et % nd * td + v, 0) * scale(
+                                S2, et // nd, b, et % nd * td + v)
+                            tile[2 * p + 1, v] = elem(W2, et // nd, b, p, et % nd * td + v, 1) * scale(
+                                S2, et // nd, b, et % nd * td + v)
                     for r in range(cnt[et // nd], cnt[et // nd + 1]):
                         for v in T.vectorized(td):
                             acc[v] = T.float32(0)
@@ -210,4 +225,4 @@ def moe_mxfp4_kernel(experts: int, inter: int, width: int, offset: int, situ: bo
                             Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[
                                 nt // nd, j] * Out[nt // nd * K + j, nt % nd * td + v]
 
-    return moe_mxfp4
+    return moe

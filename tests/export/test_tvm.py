@@ -356,6 +356,21 @@ def test_tvm_equals_eager_with_mxfp8_activations(tiny_mxfp8_export):
     assert not bad, bad[:3]
 
 
+def test_tvm_equals_eager_with_float_experts(tmp_path):
+    """k3-tiny with its experts dequantized to float32: the MoE calls run the same kernel on floats."""
+    from k3compile.pipeline import export_checked
+    from k3compile.source import load_model
+
+    model = load_model("k3-tiny", seed=2, experts="float")
+    export_checked(model, tmp_path / "float", verify_parity=False, source={"source": "k3-tiny", "seed": 2,
+                                                                          "experts": "float"})
+    backend = TvmBackend(tmp_path / "float")
+    main = str(backend.mod["main"])
+    assert "call_dps_packed" not in main and "R.call_tir(k3_latent_moe_dispatch_8_32_32_0_situ" in main
+    rows = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=2, prompts=PROMPTS)
+    assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
+
+
 def test_export_with_a_target_writes_the_artifact(tmp_path):
     import tempfile
     from pathlib import Path

@@ -139,13 +139,15 @@ def _moe_inputs(n, d, i, e, k, high, seed):
 def _run_moe(args, e, i, d, offset, activation, act_quant="none"):
     from k3compile.targets import resolve
 
-    from k3compile.kernels.moe import moe_mxfp4_kernel
+    from k3compile.kernels.moe import moe_kernel
 
-    f = moe_mxfp4_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant).with_attr("global_symbol",
-                                                                                                  "main")
+    mx = len(args) == 7
+    f = moe_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant, mx).with_attr("global_symbol", "main")
     y = tvm.runtime.empty((args[0].shape[0], d), "float32")
-    # the kernel reads the CPU target's "kn" layout: [E, rows, cols/2] -> [E, cols/2, rows]
+    # the kernel reads the CPU target's "kn" layout: [E, rows, cols] -> [E, cols, rows]
     feeds = [x.numpy() for x in args[:3]] + [np.ascontiguousarray(x.numpy().transpose(0, 2, 1)) for x in args[3:]]
+    if not mx:
+        feeds += [np.zeros((1, 1, 1), np.uint8)] * 2  # the scale placeholders
     tvm.compile(tvm.IRModule({"main": f}), target=resolve().tvm())["main"](*map(tvm.runtime.tensor, feeds), y)
     return y.numpy()
 
@@ -178,6 +180,20 @@ def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
     plain = latent_moe_dispatch(*args, offset, "situ", 4.0, 25.0, "none").numpy()
     assert np.abs(want - plain).max() > 1e-3  # the quantization shows in the output
     # fp32: the quantized activations are bit-exact (tests/unit/test_mx_kernels.py); products summed in another order
+    np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,act_quant", [(3, "none"), (20, "none"), (5, "e4m3"), (18, "e5m2")])
+def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    d, i, e, k, offset = 64, 32, 5, 2, 2
+    z, idx, w, *_ = _moe_inputs(n, d, i, e, k, high=offset + e + 2, seed=30 + n)
+    gen = torch.Generator().manual_seed(n)
+    w13, w2 = torch.randn(e, 2 * i, d, generator=gen) * 0.1, torch.randn(e, d, i, generator=gen) * 0.1
+    args = [z, idx, w, w13, w2]
+    want = latent_moe_dispatch(*args, None, None, offset, "situ", 4.0, 25.0, act_quant).numpy()
+    # fp32, products summed in another order (the quantized activations bit-exact)
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
 
 
