@@ -71,46 +71,23 @@ def _recurrent_step(heads: int, dk: int, dv: int):
 
 
 def kda_recurrence_kernel(heads: int, dk: int, dv: int):
-    """The token-by-token kernel (the bench's baseline for the chunked one)."""
-    from tvm.script import tirx as T
-
-    step = _recurrent_step(heads, dk, dv)
-
-    @T.prim_func(private=True)
-    def kda_recurrence(q: T.handle, k: T.handle, v: T.handle, g: T.handle, beta: T.handle, state: T.handle,
-                       o: T.handle, present: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        B, L = T.int64(), T.int64()
-        Q = T.match_buffer(q, (B, L, heads, dk), "float32")
-        K = T.match_buffer(k, (B, L, heads, dk), "float32")
-        V = T.match_buffer(v, (B, L, heads, dv), "float32")
-        G = T.match_buffer(g, (B, L, heads, dk), "float32")
-        Beta = T.match_buffer(beta, (B, L, heads), "float32")
-        S0 = T.match_buffer(state, (B, heads, dk, dv), "float32")
-        Out = T.match_buffer(o, (B, L, heads, dv), "float32")
-        S = T.match_buffer(present, (B, heads, dk, dv), "float32")
-        for bh in T.parallel(B * heads):
-            e = T.alloc_buffer((dv,), "float32", scope="local")
-            for i, j in T.grid(dk, dv):
-                S[bh // heads, bh % heads, i, j] = S0[bh // heads, bh % heads, i, j]
-            for t in range(L):
-                step(t, bh, Q, K, V, G, Beta, S, Out, e)
-
-    return kda_recurrence
+    """The token-by-token kernel (the bench's baseline for the chunked one): no chunks, every token a step."""
+    return kda_chunked_kernel(heads, dk, dv, chunk=0)
 
 
 def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK):
-    """The chunked kernel (module docstring). Register blocks, measured on 128 x 128 heads: S·(k, q) over 2 rows x
-    16 columns, the state update over 4 rows x 16 columns (more accumulators spill: 16 vector registers on AVX2)."""
+    """The chunked kernel (module docstring); chunk = 0: none, every token a step. Register blocks, measured on
+    128 x 128 heads: S·(k, q) over 2 rows x 16 columns, the state update over 4 rows x 16 columns (more accumulators
+    spill: 16 vector registers on AVX2)."""
     from tvm.script import tirx as T
 
-    C = chunk
+    C, chunked = max(chunk, 1), chunk > 0
     jv, tb, db = _width(dv, 16), _width(C, 2), _width(dk, 4)  # register block: columns, chunk rows, state rows
     vk = _width(dk, 16)  # lanes of the pair sums
     step = _recurrent_step(heads, dk, dv)
 
     @T.prim_func(private=True)
-    def kda_chunked(q: T.handle, k: T.handle, v: T.handle, g: T.handle, beta: T.handle, state: T.handle,
+    def kda(q: T.handle, k: T.handle, v: T.handle, g: T.handle, beta: T.handle, state: T.handle,
                     o: T.handle, present: T.handle):
         T.func_attr({"tirx.noalias": True})
         B, L = T.int64(), T.int64()
@@ -137,7 +114,7 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
             e = T.alloc_buffer((dv,), "float32", scope="local")
             for i, j in T.grid(dk, dv):
                 S[bh // heads, bh % heads, i, j] = S0[bh // heads, bh % heads, i, j]
-            for c in range(L // C):
+            for c in range(L // C if chunked else 0):
                 for t in range(C):
                     bc[t] = Beta[bh // heads, c * C + t, bh % heads]
                     for d in T.vectorized(dk):
@@ -215,7 +192,7 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
                     for di in T.unroll(db):
                         for j in T.vectorized(jv):
                             S[bh // heads, bh % heads, d0 * db + di, jb * jv + j] = acc[di, j]
-            for t in range(L // C * C, L):  # the tail (all of decode): token by token
+            for t in range(L // C * C if chunked else 0, L):  # the tail (all of decode): token by token
                 step(t, bh, Q, K, V, G, Beta, S, Out, e)
 
-    return kda_chunked
+    return kda
