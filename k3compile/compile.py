@@ -208,7 +208,8 @@ def read_manifest(folder: str | Path) -> dict:
             and all(isinstance(k, str) and Path(k).name == k and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                     for k, v in files.items())
             and {LIBRARY, WEIGHTS, CONFIG_FILE} <= set(files)
-            and ("tuning" not in doc or isinstance(doc["tuning"], dict) and doc["tuning"].get("library") in files)):
+            and ("tuning" not in doc or isinstance(doc["tuning"], dict)
+                 and isinstance(doc["tuning"].get("library"), str) and doc["tuning"]["library"] in files)):
         raise ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest (damaged or edited; compile again)")
     for name, digest in files.items():
         path = folder / name

@@ -66,7 +66,6 @@ class TvmBackend:
         self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:
-
         from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
         from k3compile.targets import resolve

@@ -274,9 +274,12 @@ def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface"]
+MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface", "tuning"]
 JSON = st.none() | st.booleans() | st.integers(-2, 2**65) | st.text(max_size=6) \
-    | st.lists(st.text(max_size=4), max_size=2) | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2)
+    | st.lists(st.text(max_size=4), max_size=2) \
+    | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2) \
+    | st.fixed_dictionaries({"library": st.lists(st.text(max_size=3), max_size=2) | st.sampled_from(
+        ["model.so", "decode.so", "../x"])})  # compile --tune's entry
 
 
 @settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
