@@ -112,7 +112,7 @@ def _time_and_run(func, target, types, seed: int):
     import tvm
 
     with target.compiling():
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target.tvm())
+        lib = tvm.compile(_workload(func), target=target.tvm())
     args = _random_args(types, seed)
     lib["main"](*args)
     timer = lib.mod.time_evaluator("main", tvm.cpu(), number=10, repeat=TIMING_REPEATS)

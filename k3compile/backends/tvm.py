@@ -48,15 +48,15 @@ class TvmBackend:
         self.device = tvm.cpu()
         self._tensor = tvm.runtime.tensor
         t0 = time.perf_counter()
+        self._decode_executable = None  # compile --tune's decode.so, when the artifact has one
         if (folder / MANIFEST).is_file():
             self._load_artifact(folder)
         else:
             self._compile_export(folder, target)
         self.compile_s = time.perf_counter() - t0
         self._vm = relax.VirtualMachine(self.executable, self.device)
-        self._decode_vm = None
-        if getattr(self, "_decode_executable", None) is not None:
-            self._decode_vm = relax.VirtualMachine(self._decode_executable, self.device)
+        self._decode_vm = None if self._decode_executable is None else relax.VirtualMachine(self._decode_executable,
+                                                                                             self.device)
 
     def _compile_export(self, folder: Path, target: str) -> None:
         from k3compile.compile import build

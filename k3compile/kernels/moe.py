@@ -33,7 +33,8 @@ from __future__ import annotations
 GROUPED_MIN_TOKENS = 16  # from this many tokens on, the pairs are grouped by expert (each tile decoded once)
 
 
-def _tile(n: int) -> int:
+def column_tile(n: int) -> int:
+    """The widest of 64, 32, ... 1 output columns that divides n (one vector run of a GEMV)."""
     return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
 
 
@@ -48,7 +49,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
     d2, i2, dblk, iblk = width // 2, inter // 2, width // 32, inter // 32
-    ta, tb, td = _tile(2 * inter), _tile(inter), _tile(width)  # column tiles of the three loops
+    ta, tb, td = column_tile(2 * inter), column_tile(inter), column_tile(width)  # column tiles of the three loops
     na, nb, nd = 2 * inter // ta, inter // tb, width // td
 
     wtype = "uint8" if mx else "float32"
@@ -59,6 +60,13 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
 
     def scale(S, e, b, col):
         return e8m0(S[e, b, col]) if mx else tirx.const(1.0, "float32")
+
+    def act(gate, up):
+        """SiTU: β tanh(gate / β) σ(gate) · β_lin tanh(up / β_lin); else SiLU(gate) · up (ops/activations.py)."""
+        if situ:
+            return tirx.const(beta, "float32") * tanh_f32(gate / tirx.const(beta, "float32")) * sigmoid_f32(gate) * (
+                tirx.const(linear_beta, "float32") * tanh_f32(up / tirx.const(linear_beta, "float32")))
+        return gate * sigmoid_f32(gate) * up
 
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None
@@ -110,14 +118,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                         H[nt // na, nt % na * ta + v] = acc[v]
                 for nt in T.parallel(N * nb):  # the activation, in place in the gate half
                     for v in T.vectorized(tb):
-                        if situ:
-                            H[nt // nb, nt % nb * tb + v] = T.float32(beta) * tanh_f32(
-                                H[nt // nb, nt % nb * tb + v] / T.float32(beta)) * sigmoid_f32(
-                                H[nt // nb, nt % nb * tb + v]) * (T.float32(linear_beta) * tanh_f32(
-                                    H[nt // nb, inter + nt % nb * tb + v] / T.float32(linear_beta)))
-                        else:
-                            H[nt // nb, nt % nb * tb + v] = H[nt // nb, nt % nb * tb + v] * sigmoid_f32(
-                                H[nt // nb, nt % nb * tb + v]) * H[nt // nb, inter + nt % nb * tb + v]
+                        H[nt // nb, nt % nb * tb + v] = act(H[nt // nb, nt % nb * tb + v],
+                                                            H[nt // nb, inter + nt % nb * tb + v])
                 if quantize:  # and of the activation, 32-wide blocks along I
                     for hb in T.parallel(N * iblk):
                         quant(H, H, hb // iblk, hb % iblk * 32)
@@ -184,14 +186,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                             G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v]
             for rt in T.parallel(N * K * nb):  # the activation, in place (rows of pairs outside the slice unused)
                 for v in T.vectorized(tb):
-                    if situ:
-                        G[rt // nb, rt % nb * tb + v] = T.float32(beta) * tanh_f32(
-                            G[rt // nb, rt % nb * tb + v] / T.float32(beta)) * sigmoid_f32(
-                            G[rt // nb, rt % nb * tb + v]) * (T.float32(linear_beta) * tanh_f32(
-                                G[rt // nb, inter + rt % nb * tb + v] / T.float32(linear_beta)))
-                    else:
-                        G[rt // nb, rt % nb * tb + v] = G[rt // nb, rt % nb * tb + v] * sigmoid_f32(
-                            G[rt // nb, rt % nb * tb + v]) * G[rt // nb, inter + rt % nb * tb + v]
+                    G[rt // nb, rt % nb * tb + v] = act(G[rt // nb, rt % nb * tb + v],
+                                                        G[rt // nb, inter + rt % nb * tb + v])
             if quantize:
                 for rb in T.parallel(N * K * iblk):
                     quant(G, G, rb // iblk, rb % iblk * 32)

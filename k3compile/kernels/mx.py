@@ -6,6 +6,7 @@ saturation, a block with a non-finite element all NaN).
 
 from __future__ import annotations
 
+from k3compile.kernels.vector_math import pow2
 from k3compile.quant.mx import BLOCK, element_format
 
 
@@ -45,13 +46,6 @@ def _exponent(x):
     return bits - tirx.const(127, "int32")
 
 
-def _pow2(e):
-    """2^e as float32 for an int32 expression e in [-126, 127], from the exponent bits."""
-    from tvm import tirx
-
-    return tirx.reinterpret("float32", tirx.shift_left(e + tirx.const(127, "int32"), tirx.const(23, "int32")))
-
-
 def fake_quant_block(fmt_name: str):
     """A T.macro(src, dst, row, col): dst[row, col : col + 32] = the MXFP8 (`fmt_name`: "e4m3" / "e5m2")
     quantize-dequantize of src[row, col : col + 32]. dst may be src (in place).
@@ -76,12 +70,12 @@ def fake_quant_block(fmt_name: str):
             if _exponent(src[row, col + i]) == 128:  # inf or NaN (exponent bits all ones)
                 bad[0] = 1
         shared = T.meta_var(T.max(T.min(_exponent(amax[0]) - fmt.emax, 127), -127))
-        inv = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**127), _pow2(0 - shared)))
-        scale = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**-127), _pow2(shared)))
+        inv = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**127), pow2(0 - shared)))
+        scale = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**-127), pow2(shared)))
         for i in T.vectorized(BLOCK):
             dst[row, col + i] = T.if_then_else(bad[0] == 1, T.float32(float("nan")), T.copysign(T.min(
-                T.nearbyint(T.abs(src[row, col + i]) * inv * _pow2(fmt.mbits - T.max(
-                    _exponent(T.abs(src[row, col + i]) * inv), fmt.emin))) * _pow2(T.max(
+                T.nearbyint(T.abs(src[row, col + i]) * inv * pow2(fmt.mbits - T.max(
+                    _exponent(T.abs(src[row, col + i]) * inv), fmt.emin))) * pow2(T.max(
                         _exponent(T.abs(src[row, col + i]) * inv), fmt.emin) - fmt.mbits),
                 T.float32(fmt.max_normal)), src[row, col + i]) * scale)
 

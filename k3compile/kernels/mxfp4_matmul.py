@@ -12,16 +12,13 @@ K, bit-exact with the op's torch arithmetic. M is symbolic (one kernel for every
 from __future__ import annotations
 
 
-def _tile(n: int) -> int:
-    return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
-
-
 def mxfp4_matmul_kernel(k: int, n: int, act_quant: str = "none"):
     from tvm.script import tirx as T
 
+    from k3compile.kernels.moe import column_tile
     from k3compile.kernels.mx import e8m0, fake_quant_block, fp4
 
-    tn, kblk = _tile(n), k // 32
+    tn, kblk = column_tile(n), k // 32
     ntiles = n // tn
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None

@@ -37,7 +37,8 @@ def _is_nan(x, it):
     return tirx.bitwise_and(tirx.reinterpret(it, x), tirx.const(0x7FFFFFFF, it)) > tirx.const(0x7F800000, it)
 
 
-def _pow2(n, ft, it):
+def pow2(n, ft: str = "float32", it: str = "int32"):
+    """2^n as a float (type ft) for an integer expression n (type it) in [-126, 127], from the exponent bits."""
     from tvm import tirx
 
     return tirx.reinterpret(ft, tirx.shift_left(n + tirx.const(127, it), tirx.const(23, it)))
@@ -64,7 +65,7 @@ def exp_f32(x):
     for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 0.5, 1.0, 1.0):
         p = p * r + f(c)
     half = tirx.shift_right(ni, tirx.const(1, it))  # floor(n / 2): both factors stay normal floats
-    value = p * _pow2(half, ft, it) * _pow2(ni - half, ft, it)
+    value = p * pow2(half, ft, it) * pow2(ni - half, ft, it)
     value = tirx.Select(x > f(EXP_MAX), f(float("inf")), value)
     return tirx.Select(_is_nan(x, it), x, value)
 
