@@ -31,6 +31,7 @@ from k3compile.interface import (
 )
 
 LIBRARY = "model.so"
+DEVICE_SOURCE = "device"  # + the target's suffix: device.cl, device.wgsl, device.metal, device.cu
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
 KIND = "tvm-executable"
@@ -62,6 +63,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     check_target(target)
     if tune < 0:
         raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
+    if tune and resolve(target).gpu:
+        raise ExportError(f"--tune tunes CPU code; target {target!r} is scheduled by dlight and its own kernels")
     if dump_ir is not None:
         _dump_folder(dump_ir, create=False)  # refused before any work; created once the compile starts
     doc, cfg = open_export(export_dir, graph=True)
@@ -70,6 +73,11 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
         with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
             _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
             executable.export_library(str(w.path / LIBRARY))
+            tgt = resolve(target)
+            if tgt.gpu:
+                from k3compile.targets.gpu import device_source
+
+                (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
             tuning = None
             if tune:
                 decode, rows = build_decode(export_dir, target, tune, work, progress=step)
@@ -118,10 +126,12 @@ def _dump_folder(path: str | Path, create: bool = True) -> Path:
 
 
 def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,
-          dump_ir: str | Path | None = None):
+          dump_ir: str | Path | None = None, executable: bool = True):
     """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `target`: returns
     (module, executable, weight names, weights): the weights are main's parameters after the graph inputs, already
-    put in the target's layout by running the lifted `main_transform_params` once."""
+    put in the target's layout by running the lifted `main_transform_params` once. A GPU target with
+    `executable=False` stops before TVM's code generation (the executable is then None): what the device runner
+    (k3compile/devices.py) needs."""
     import onnx
     import tvm
     from tvm import relax
@@ -135,7 +145,10 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     step("importing into TVM Relax")
     mod, _, raw = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=True)
     step(f"lowering and scheduling for {tgt.describe()}")
-    mod = run_phases(mod, tgt, dump_dir=_dump_folder(dump_ir) if dump_ir is not None else None)
+    dump = _dump_folder(dump_ir) if dump_ir is not None else None
+    if tgt.gpu:
+        return _build_gpu(mod, raw, tgt, dump, step, executable)
+    mod = run_phases(mod, tgt, dump_dir=dump)
     step("compiling")
     tvm_target = tgt.tvm()
     with tgt.compiling():
@@ -147,6 +160,58 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     main = mod["main"]
     names = _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
     return mod, executable, names, weights
+
+
+def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
+    """build() for a GPU target: the weight transform (phase 3's `main_transform_params`) is compiled for this CPU
+    and run here, `main` alone goes on through phases 4-5, the target's limits are checked on every PrimFunc
+    (targets/gpu.py: check), then TVM compiles it (host code for this CPU, device source for the target). The
+    executable cannot run here (no device runtime in this TVM): k3compile/devices.py runs its kernels."""
+    import tvm
+    from tvm import relax
+
+    from k3compile.passes import run_phases
+    from k3compile.targets import gpu
+
+    mod = run_phases(mod, tgt, upto="lift-weight-transforms", dump_dir=dump)
+    transform = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == "main_transform_params"})
+    mod = relax.transform.DeadCodeElimination(["main"])(
+        tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != "main_transform_params"}))
+    step("putting the weights in the target's layout (on this CPU)")
+    vm = relax.VirtualMachine(tvm.compile(transform, target="llvm"), tvm.cpu())
+    weights = list(vm["main_transform_params"](list(raw)))
+    mod = run_phases(mod, tgt, dump_dir=dump, start="legalize-fuse")
+    step(f"checking the kernels against {tgt.name}'s limits")
+    _no_extern_calls(mod, tgt)
+    gpu.check(mod, tgt)
+    if executable:
+        step("compiling")
+        with tgt.compiling():
+            executable = tvm.compile(mod, target=tgt.tvm(), relax_pipeline=tvm.transform.Sequential(
+                tgt.finish_passes()), tir_pipeline=gpu.tir_pipeline(tgt))
+    main = mod["main"]
+    names = _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
+    return mod, executable or None, names, weights
+
+
+def _no_extern_calls(mod, tgt) -> None:
+    """A k3 call no kernel covered stays a call of the op's host reference, which a device build cannot make:
+    refused, naming the op (on the CPU the reference serves it)."""
+    import tvm
+    from tvm import relax
+
+    call_dps = tvm.ir.Op.get("relax.call_dps_packed")
+    left: list[str] = []
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and expr.op.same_as(call_dps) and isinstance(expr.args[0], relax.ExternFunc)
+                and expr.args[0].global_symbol.startswith("k3.")):
+            left.append(expr.args[0].global_symbol)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    if left:
+        raise ExportError(f"target {tgt.name!r}: {left[0]} has no {tgt.name} kernel for these sizes or attributes "
+                          "(GPU kernels need static sizes, multiples of 32, float32 or MXFP4 experts)")
 
 
 def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Path,

@@ -87,8 +87,56 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
                  for r in verify.compare(eager, OnnxBackend(folder, reference=True), decode_steps=decode_steps)]
     if compiled:
         from k3compile.backends.tvm import TvmBackend
+        from k3compile.targets import resolve
 
+        target = read_manifest(folder)["target"]
+        if resolve(target).gpu:  # no device runtime in this TVM: the device runner (verify --device) runs it
+            return rows
         tvm_backend = TvmBackend(folder)
         rows += [dict(r, backend=tvm_backend.name)
                  for r in verify.compare(eager, tvm_backend, decode_steps=decode_steps)]
     return rows
+
+
+def verify_device(folder: str | Path, device: str, source: str | None = None, decode_steps: int = 2,
+                  threads: int | None = None, progress=None) -> tuple[list, list[dict], str | None]:
+    """`verify --device`: the k3 kernels of the folder's model (an export, or an artifact of that device's target),
+    each run on the device against the llvm build and the eager op (device_check.Row), then the whole model run on
+    the device kernel by kernel against eager (verify rows, backend "<device>-device"). Returns (kernel rows, step
+    rows, why the whole model did not run: the target's refusal, or None)."""
+    import onnx
+
+    from k3compile import device_check, devices
+    from k3compile.compile import read_manifest
+    from k3compile.frontend import to_relax
+    from k3compile.interface import MODEL_FILE
+    from k3compile.passes import run_phases
+    from k3compile.source import ARTIFACT, kind_of
+    from k3compile.targets import resolve
+
+    step = progress or (lambda msg: None)
+    if kind_of(folder) == ARTIFACT:
+        target = read_manifest(folder)["target"]
+        if target != device:
+            raise ExportError(f"{folder}: compiled for {target}, not {device} (give the export folder, or compile it "
+                              f"with --target {device})")
+    else:
+        open_export(folder, graph=True)
+    dev = devices.driver(device)
+    target = resolve(device)
+    step(f"lowering the k3 ops for {device}")
+    mod = to_relax(onnx.load(str(Path(folder) / MODEL_FILE)))
+    ops = device_check.kernels_of(run_phases(mod, target, upto="lower-k3-calls"))
+    kernel_rows = []
+    for op, key in ops:
+        step(f"running {op} on {dev.describe()}")
+        kernel_rows += device_check.check_op(target, op, key, dev)
+    from k3compile.backends.device import DeviceBackend
+
+    try:
+        backend = DeviceBackend(folder, device, progress=step)
+    except ExportError as e:
+        return kernel_rows, [], str(e)
+    eager = eager_of(folder, source, threads)
+    step_rows = [dict(r, backend=backend.name) for r in verify.compare(eager, backend, decode_steps=decode_steps)]
+    return kernel_rows, step_rows, None

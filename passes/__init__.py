@@ -26,18 +26,23 @@ PHASES = (
 PHASE_NAMES = tuple(name for name, _ in PHASES)
 
 
-def run_phases(mod, target=None, upto: str | None = None, dump_dir: str | Path | None = None):
-    """The phases in order (all, or up to and including `upto`) for `target` (default: this CPU); with `dump_dir`,
-    the IR before the first phase and after each is written there as `NN-<phase>.py` (TVMScript)."""
+def run_phases(mod, target=None, upto: str | None = None, dump_dir: str | Path | None = None,
+               start: str | None = None):
+    """The phases in order (all, or from `start` and up to and including `upto`) for `target` (default: this CPU);
+    with `dump_dir`, the IR before the first phase and after each is written there as `NN-<phase>.py` (TVMScript)."""
     from k3compile.targets import resolve
 
     target = resolve(target) if target is None or isinstance(target, str) else target
-    if upto is not None and upto not in PHASE_NAMES:
-        raise ValueError(f"unknown phase {upto!r}; phases: {', '.join(PHASE_NAMES)}")
+    for phase in (upto, start):
+        if phase is not None and phase not in PHASE_NAMES:
+            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASE_NAMES)}")
+    first = 0 if start is None else PHASE_NAMES.index(start)
     dump = Path(dump_dir) if dump_dir is not None else None
-    if dump is not None:
+    if dump is not None and first == 0:
         (dump / "00-imported.py").write_text(mod.script())
     for n, (name, make) in enumerate(PHASES, start=1):
+        if n <= first:
+            continue
         mod = make(target)(mod)
         if dump is not None:
             (dump / f"{n:02d}-{name}.py").write_text(mod.script())

@@ -1,9 +1,12 @@
-"""Target families of k3compile (shipped as `k3compile.targets`; docs/architecture.md, "Targets"): one module per
-family saying how to schedule and build for it, and one table, `TARGETS`, of the names `--target` takes.
+"""Target families of k3compile (shipped as `k3compile.targets`; docs/architecture.md, "Targets" and "GPU targets"):
+one module per family saying how to schedule and build for it, and one table, `TARGETS`, of the names `--target`
+takes.
 
 A `Target` gives the passes what they ask a target: its TVM target (`tvm()`), the schedule of a standard-op
-PrimFunc (`schedule_func`) and the layout its expert kernel reads the packed MXFP4 weights in (`expert_layout`).
-`resolve(name)` turns a `--target` value into one, or raises ExportError naming the target and the known ones.
+PrimFunc (`schedule_func`), the layout its kernels read the packed MXFP4 weights in (`expert_layout`: "kn" bytes on
+the CPU, "words" on the GPUs) and, for a GPU, its limits (checked at compile time) and the device source it writes.
+`resolve(name)` turns a `--target` value into one, or raises ExportError with one line: an unknown name, or a
+target this machine or this TVM build cannot compile for, and why.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
 class Target:
     name: str                       # the `--target` value
     kind: str                       # TVM's target kind
-    expert_layout: str              # "kn": packed MXFP4 experts stored [E, K/2, N], output dim contiguous
+    expert_layout: str              # "kn": packed MXFP4 stored [E, K/2, N] bytes; "words": [E, K/8, N] uint32
     schedule_func: Callable         # PrimFunc -> scheduled PrimFunc
     dense_panel: int                # dense weights stored as [N/P, K, P] panels (0: as exported, [K, N])
     options: tuple = ()             # extra TVM target fields, (key, value) pairs
+    limits: object = None           # a GPU's targets.gpu.Limits (None: the CPU)
+    source: tuple = ()              # a GPU's (TVM module kind of its device code, file suffix), e.g. ("opencl", ".cl")
+
+    @property
+    def gpu(self) -> bool:
+        return self.limits is not None
 
     def tvm(self):
         import tvm
@@ -51,8 +60,12 @@ class Target:
                                                         for k, v in self.options}})
 
     def finish_passes(self) -> list:
-        """The Relax passes after scheduling, down to VM code (TVM's own for the target's family)."""
-        from tvm.relax.backend.cpu_generic import pipeline
+        """The Relax passes after scheduling, down to VM code (TVM's generic ones for the CPU or the GPUs: its
+        CUDA-specific list names passes this wheel lacks)."""
+        if self.gpu:
+            from tvm.relax.backend.gpu_generic import pipeline
+        else:
+            from tvm.relax.backend.cpu_generic import pipeline
 
         return [*pipeline.dataflow_lower_passes(self.tvm()), *pipeline.finalize_passes(self.tvm())]
 
@@ -77,15 +90,24 @@ def _llvm() -> Target:
     return Target("llvm", "llvm", "kn", schedule_func, PANEL, (*host_cpu(), ("num-cores", os.cpu_count() or 1)))
 
 
-TARGETS: dict[str, Callable[[], Target]] = {"llvm": _llvm}
-PLANNED = ("opencl", "webgpu", "metal", "rocm", "vulkan", "cuda")  # the accelerator targets of the next issue
+def _family(name: str) -> Callable[[], Target]:
+    def make() -> Target:
+        import importlib
+
+        return importlib.import_module(f"k3compile.targets.{name}").target()
+
+    return make
+
+
+# The capability table: every `--target` name. Each GPU family module says what it needs to build and its limits.
+TARGETS: dict[str, Callable[[], Target]] = {
+    "llvm": _llvm, **{n: _family(n) for n in ("opencl", "webgpu", "metal", "cuda", "rocm", "vulkan")}}
 
 
 def resolve(name: str | None = None) -> Target:
-    """The target for a `--target` value (default: llvm, this CPU)."""
+    """The target for a `--target` value (default: llvm, this CPU); ExportError (one line) for an unknown name or
+    a target that cannot be built here."""
     name = "llvm" if name is None else name
     if name in TARGETS:
         return TARGETS[name]()
-    if name in PLANNED:
-        raise ExportError(f"target {name!r} is not supported yet (this version compiles for: {', '.join(TARGETS)})")
     raise ExportError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")

@@ -68,13 +68,17 @@ class TvmBackend:
     def _load_artifact(self, folder: Path) -> None:
         from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
-        from k3compile.targets import resolve
+        from k3compile.targets import TARGETS, resolve
 
         self.manifest = read_manifest(folder)
         self.config = read_config(folder / "config.json")
         if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
             raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
         self.name = f"tvm-{self.manifest['target']}"
+        if self.manifest["target"] in TARGETS and resolve(self.manifest["target"]).gpu:
+            raise ExportError(f"{folder}: compiled for {self.manifest['target']}, which this TVM cannot run here (no "
+                              f"device runtime); run its kernels with `k3compile verify {folder} --device "
+                              f"{self.manifest['target']}` where that driver exists")
         here = resolve(self.manifest["target"]).describe()
         if self.manifest.get("tvm_target") != here:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
@@ -117,7 +121,8 @@ def _load_library(path: Path):
 
 # what compile writes (numpy can view each through DLPack): safetensors dtype -> (TVM dtype, bytes)
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "F64": ("float64", 8), "U8": ("uint8", 1),
-                      "I8": ("int8", 1), "I32": ("int32", 4), "I64": ("int64", 8), "BOOL": ("bool", 1)}
+                      "I8": ("int8", 1), "I32": ("int32", 4), "U32": ("uint32", 4), "I64": ("int64", 8),
+                      "BOOL": ("bool", 1)}
 HEADER_MAX = 100 * 2**20  # the safetensors format's own bound on the JSON header
 
 

@@ -17,10 +17,15 @@ from k3compile.cli.common import DEFAULT_TOL, THREADS_HELP, FiniteFloat, dumps, 
               help="Rebuild the eager model from here instead of export.json's record.")
 @click.option("--per-layer", "per_layer", is_flag=True,
               help="One row per backend and layer (the worst of its states over every phase) instead of per output.")
+@click.option("--device", type=click.Choice(["opencl", "webgpu"]), default=None,
+              help="Run the model's k3 kernels for this GPU target on this machine's driver (OpenCL: PoCL; WebGPU: "
+                   "wgpu on Vulkan) against the llvm build and eager, then the whole model kernel by kernel "
+                   "(FOLDER: an export, or an artifact compiled for that target).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, reference, tolerance, decode_steps, source_override, per_layer, threads, as_json, quiet):
+def command(folder, reference, tolerance, decode_steps, source_override, per_layer, device, threads, as_json,
+            quiet):
     """Run eager and onnxruntime (and onnx.reference) on the same inputs, and TVM when FOLDER is a compiled artifact
     (`k3compile compile`'s OUT); exit 1 past tolerance.
 
@@ -29,6 +34,8 @@ def command(folder, reference, tolerance, decode_steps, source_override, per_lay
     from k3compile.pipeline import verify_export
     from k3compile.verify import per_layer as by_layer
 
+    if device is not None:
+        return _device(folder, device, tolerance, decode_steps, source_override, threads, as_json, quiet)
     with user_errors(), status("running eager and the exported model", quiet):
         rows = verify_export(folder, source_override, reference=reference, decode_steps=decode_steps,
                              threads=threads)
@@ -54,3 +61,40 @@ def command(folder, reference, tolerance, decode_steps, source_override, per_lay
 
         raise click.ClickException(f"{len(failed)} output(s) past tolerance {tolerance:g}; worst "
                                    f"{worst(failed)['max_abs']:.2e}")
+
+
+def _device(folder, device, tolerance, decode_steps, source_override, threads, as_json, quiet):
+    """verify --device: the per-kernel table, then the whole model's rows (or why it did not run)."""
+    from k3compile.device_check import RTOL
+    from k3compile.pipeline import verify_device
+
+    with user_errors(), status(f"running the kernels on {device}", quiet) as step:
+        kernels, rows, refused = verify_device(folder, device, source_override, decode_steps, threads, step)
+    failed = [k for k in kernels if not k.ok] + [r for r in rows if not r["max_abs"] <= tolerance]
+    if as_json:
+        click.echo(dumps({"device": device, "rtol": RTOL, "tolerance": tolerance, "ok": not failed,
+                          "kernels": [k.as_dict() for k in kernels], "rows": rows, "whole_model_refused": refused},
+                         indent=2))
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"{folder}: k3 kernels on {device} (error / max |reference|, bound {RTOL:g})")
+        for col in ("kernel", "inputs", "launches", "vs llvm", "vs eager", ""):
+            table.add_column(col, justify="right" if col.startswith("vs") or col == "launches" else "left")
+        for k in kernels:
+            table.add_row(k.kernel, k.shape, str(k.launches), f"{k.vs_llvm:.1e}", f"{k.vs_eager:.1e}",
+                          "ok" if k.ok else "FAIL")
+        table_console().print(table)
+        if refused:
+            click.echo(f"whole model not run on {device}: {refused}")
+        else:
+            table = Table(title=f"{folder}: whole model on {device}, kernel by kernel, vs eager "
+                                f"(tolerance {tolerance:g})")
+            for col in ("phase", "output", "max abs", "max rel", ""):
+                table.add_column(col, justify="right" if col.startswith("max") else "left")
+            for r in rows:
+                table.add_row(r["phase"], r["output"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+                              "ok" if r["max_abs"] <= tolerance else "FAIL")
+            table_console().print(table)
+    if failed:
+        raise click.ClickException(f"{len(failed)} kernel(s) or output(s) past their bound on {device}")

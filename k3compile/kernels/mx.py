@@ -1,4 +1,4 @@
-"""MX arithmetic as TIR expressions and macros for the CPU kernels (docs/mx.md): E2M1 nibbles and E8M0 scale bytes
+"""MX arithmetic as TIR expressions and macros for the kernels (docs/mx.md): E2M1 nibbles and E8M0 scale bytes
 decoded with integer and bit operations (never TVM's fp4/fp8 casts, wrong on llvm), and MXFP8 fake quantization of
 a 32-element block, bit-exact with k3compile.quant.mx.fake_quant_mx (the FLOOR scale rule, round half to even,
 saturation, a block with a non-finite element all NaN).
@@ -9,31 +9,65 @@ from __future__ import annotations
 from k3compile.kernels.vector_math import pow2
 from k3compile.quant.mx import BLOCK, element_format
 
+NAN_BITS = 0x7FC00000  # the quiet NaN, made at run time from a flag (a non-finite constant is not portable)
 
-def fp4(byte, high: int):
-    """The E2M1 value of the low (high=0) or high (high=1) nibble of `byte` (a uint8 expression): of the magnitude code
+
+def _fp4_code(nib):
+    """The E2M1 value of a nibble expression (any unsigned integer type, value 0..15): of the magnitude code
     m = nib & 7, m/2 for m < 2 and otherwise the float whose bits are (m << 22) + (126 << 23) (1, 1.5, 2, 3, 4, 6);
     the sign is nib & 8."""
     from tvm import tirx
 
-    nib = tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8"))
-    mag = tirx.bitwise_and(nib, tirx.const(7, "uint8"))
+    it = str(nib.ty)
+    mag = tirx.bitwise_and(nib, tirx.const(7, it))
     value = tirx.Select(
-        mag < tirx.const(2, "uint8"), tirx.Cast("float32", mag) * tirx.const(0.5, "float32"),
+        mag < tirx.const(2, it), tirx.Cast("float32", mag) * tirx.const(0.5, "float32"),
         tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", mag), tirx.const(22, "uint32"))
                          + tirx.const(126 << 23, "uint32")))
-    sign = tirx.shift_left(tirx.Cast("uint32", tirx.bitwise_and(nib, tirx.const(8, "uint8"))),
-                           tirx.const(28, "uint32"))
+    sign = tirx.shift_left(tirx.Cast("uint32", tirx.bitwise_and(nib, tirx.const(8, it))), tirx.const(28, "uint32"))
     return tirx.reinterpret("float32", tirx.bitwise_or(tirx.reinterpret("uint32", value), sign))
 
 
-def e8m0(s):
-    """2^(s-127) of an E8M0 byte expression: s in a float's exponent bits; 0 -> 2^-127, 255 -> NaN."""
+def fp4(byte, high: int):
+    """The E2M1 value of the low (high=0) or high (high=1) nibble of `byte` (a uint8 expression)."""
     from tvm import tirx
 
-    return tirx.Select(s == tirx.const(255, "uint8"), tirx.const(float("nan"), "float32"), tirx.Select(
-        s == tirx.const(0, "uint8"), tirx.reinterpret("float32", tirx.const(0x00400000, "uint32")),
+    return _fp4_code(tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8")))
+
+
+def _u32(value):
+    """A uint32 shift amount from a Python int or an integer expression."""
+    from tvm import tirx
+
+    return tirx.const(value, "uint32") if isinstance(value, int) else tirx.Cast("uint32", value)
+
+
+def fp4_word(word, i):
+    """The E2M1 value of nibble i (an int or an expression; 0 = lowest bits) of `word`, a uint32 expression holding
+    eight codes: the word layout of the GPU targets (docs/mx.md, "Packed layouts"), WGSL having no 8-bit integers."""
+    from tvm import tirx
+
+    return _fp4_code(tirx.bitwise_and(tirx.shift_right(word, _u32(4 * i)), tirx.const(15, "uint32")))
+
+
+def e8m0(s):
+    """2^(s-127) of an E8M0 code (a uint8 expression, or a uint32 one in 0..255): s in a float's exponent bits;
+    0 -> 2^-127, 255 -> NaN."""
+    from tvm import tirx
+
+    it = str(s.ty)
+    # 255: the quiet NaN made from s at run time (a non-finite constant is not portable: kernels/vector_math.py)
+    return tirx.Select(s == tirx.const(255, it), tirx.reinterpret("float32", tirx.bitwise_or(tirx.shift_left(
+        tirx.Cast("uint32", s), tirx.const(23, "uint32")), tirx.const(0x400000, "uint32"))), tirx.Select(
+        s == tirx.const(0, it), tirx.reinterpret("float32", tirx.const(0x00400000, "uint32")),
         tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", s), tirx.const(23, "uint32")))))
+
+
+def e8m0_word(word, i):
+    """The scale of byte i (0 = lowest bits) of `word`, a uint32 expression holding four E8M0 codes."""
+    from tvm import tirx
+
+    return e8m0(tirx.bitwise_and(tirx.shift_right(word, _u32(8 * i)), tirx.const(255, "uint32")))
 
 
 def _exponent(x):
@@ -46,18 +80,28 @@ def _exponent(x):
     return bits - tirx.const(127, "int32")
 
 
-def fake_quant_block(fmt_name: str):
+def _signed_as(magnitude, x):
+    """`magnitude` (>= 0) with the sign bit of x: copysign from the bits (WGSL has no copysign)."""
+    from tvm import tirx
+
+    return tirx.reinterpret("float32", tirx.bitwise_or(tirx.reinterpret("uint32", magnitude), tirx.bitwise_and(
+        tirx.reinterpret("uint32", x), tirx.const(0x80000000, "uint32"))))
+
+
+def fake_quant_block(fmt_name: str, vector: bool = True):
     """A T.macro(src, dst, row, col): dst[row, col : col + 32] = the MXFP8 (`fmt_name`: "e4m3" / "e5m2")
     quantize-dequantize of src[row, col : col + 32]. dst may be src (in place).
 
     Scale: 2^s with s = clamp(floor(log2 amax) − emax, −127, 127), exact as a product (a power of two); an amax that
     is 0 or an fp32 subnormal gives s = −127 either way, where every element rounds as in fake_quant_mx. Elements:
     m = |x| / 2^s, rounded to a multiple of 2^(max(floor(log2 m), emin) − mbits) (round half to even), clamped to the
-    format's largest normal, signed as x."""
+    format's largest normal, signed as x. `vector`: the element loop vectorized (CPU); else serial (a GPU thread
+    per block)."""
     from tvm import tirx
     from tvm.script import tirx as T
 
     fmt = element_format(fmt_name)
+    lanes = T.vectorized if vector else T.serial
 
     @T.macro
     def quant(src, dst, row, col):
@@ -72,8 +116,9 @@ def fake_quant_block(fmt_name: str):
         shared = T.meta_var(T.max(T.min(_exponent(amax[0]) - fmt.emax, 127), -127))
         inv = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**127), pow2(0 - shared)))
         scale = T.meta_var(tirx.Select(shared == -127, T.float32(2.0**-127), pow2(shared)))
-        for i in T.vectorized(BLOCK):
-            dst[row, col + i] = T.if_then_else(bad[0] == 1, T.float32(float("nan")), T.copysign(T.min(
+        for i in lanes(BLOCK):
+            dst[row, col + i] = T.if_then_else(bad[0] == 1, T.reinterpret(
+                "float32", T.Cast("uint32", bad[0]) * T.uint32(NAN_BITS)), _signed_as(T.min(
                 T.nearbyint(T.abs(src[row, col + i]) * inv * pow2(fmt.mbits - T.max(
                     _exponent(T.abs(src[row, col + i]) * inv), fmt.emin))) * pow2(T.max(
                         _exponent(T.abs(src[row, col + i]) * inv), fmt.emin) - fmt.mbits),

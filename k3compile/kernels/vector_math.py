@@ -66,7 +66,9 @@ def exp_f32(x):
         p = p * r + f(c)
     half = tirx.shift_right(ni, tirx.const(1, it))  # floor(n / 2): both factors stay normal floats
     value = p * pow2(half, ft, it) * pow2(ni - half, ft, it)
-    value = tirx.Select(x > f(EXP_MAX), f(float("inf")), value)
+    # inf as an overflow at run time (x >= 88.72 times 2^127): a constant inf is text some device languages lack
+    # (WGSL has no `inff`), and its bits reinterpreted are code TVM's OpenCL C generator gets wrong
+    value = tirx.Select(x > f(EXP_MAX), x * f(2.0**127), value)
     return tirx.Select(_is_nan(x, it), x, value)
 
 
@@ -89,8 +91,9 @@ def tanh_f32(x):
     small = a + a * a2 * s
     large = f(1.0) - f(2.0) / (exp_f32(a + a) + f(1.0))
     value = tirx.Select(a < f(TANH_SERIES_MAX), small, large)
-    signed = tirx.reinterpret(ft, tirx.bitwise_or(tirx.reinterpret(it, value),
-                                                  tirx.bitwise_and(bits, tirx.const(-0x80000000, it))))
+    # x's sign bit as bits ^ (bits & 0x7FFFFFFF): the literal -2^31 is not valid WGSL
+    sign = tirx.bitwise_xor(bits, tirx.bitwise_and(bits, tirx.const(0x7FFFFFFF, it)))
+    signed = tirx.reinterpret(ft, tirx.bitwise_or(tirx.reinterpret(it, value), sign))
     return tirx.Select(_is_nan(x, it), x, signed)
 
 

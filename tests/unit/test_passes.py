@@ -88,13 +88,15 @@ def test_dump_ir_writes_every_phase(tmp_path):
     assert "k3_packed_matmul" in (tmp_path / "02-pack-dense-weights.py").read_text()
 
 
-def test_targets_unknown_and_planned_are_named():
+def test_targets_unknown_and_unbuildable_are_named():
     from k3compile.interface import ExportError
 
     with pytest.raises(ExportError, match="unknown target 'foo'"):
         resolve("foo")
-    with pytest.raises(ExportError, match="'webgpu' is not supported yet"):
-        resolve("webgpu")
+    with pytest.raises(ExportError, match="target 'vulkan': this TVM build has no SPIR-V code generator"):
+        resolve("vulkan")
+    with pytest.raises(ExportError, match="target 'rocm' needs a ROCm install"):
+        resolve("rocm")
 
 
 def test_llvm_target_never_promises_vector_features_this_cpu_lacks():

@@ -1,0 +1,302 @@
+"""Run the device code TVM generates for a GPU target outside TVM (docs/architecture.md, "GPU targets": this TVM
+wheel has no OpenCL or WebGPU runtime): the OpenCL C on any OpenCL platform through pyopencl (PoCL here), the WGSL on
+any WebGPU adapter through wgpu (Mesa's lavapipe here: Vulkan on the CPU), whose shader validator checks the WGSL when
+the module is created.
+
+`run(func, target, inputs, outputs, driver)` lowers one PrimFunc for the target (targets/gpu.py: lower), binds its
+shape variables from the input shapes, and launches each of its device kernels in the host's order with the scalar
+arguments and grid / workgroup sizes the host code computes; it returns the output arrays. `run_main` does that for
+every call of a compiled module's `main` in turn: a whole model step, kernel by kernel. `driver(name)` opens the
+platform once per process; a platform that cannot load raises DeviceError with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct
+
+import numpy as np
+
+from k3compile.interface import ExportError
+
+DRIVERS = ("opencl", "webgpu")
+
+
+class DeviceError(ExportError):
+    """A device platform that cannot be opened here (no driver), or a kernel it refuses."""
+
+
+@functools.cache
+def driver(name: str):
+    """The driver for `name` ("opencl" / "webgpu"), opened once."""
+    if name == "opencl":
+        return OpenCL()
+    if name == "webgpu":
+        return WebGPU()
+    raise DeviceError(f"no device driver for {name!r} (drivers: {', '.join(DRIVERS)})")
+
+
+def is_buffer(param) -> bool:
+    """A PrimFunc parameter that is a buffer (in this TVM the parameter is its buffer), not a scalar."""
+    try:
+        return param.shape is not None
+    except AttributeError:
+        return False
+
+
+def run(func, target, inputs: list, outputs: list[tuple[tuple[int, ...], str]], dev=None, lowered=None,
+        scalars: tuple = ()) -> list[np.ndarray]:
+    """Run PrimFunc `func` (its parameters: the inputs, then the outputs, destination-passing style, then any
+    scalar `scalars`) built for `target` (a k3compile.targets.Target) on the target's driver; an input is an array
+    or, for a scalar parameter, an int; `outputs`: (shape, dtype) of each output. Returns the outputs."""
+    import tvm
+
+    from k3compile.targets.gpu import lower
+
+    dev = dev or driver(target.name)
+    if lowered is None:
+        name = str(func.attrs["global_symbol"]) if func.attrs is not None and "global_symbol" in func.attrs \
+            else "k3_kernel"
+        lowered = lower(tvm.IRModule({name: func}), target)[name]
+    values = [*inputs, *(np.zeros(s, d) for s, d in outputs), *scalars]
+    if len(values) != len(func.params):
+        raise ValueError(f"{lowered.name}: takes {len(func.params)} arguments, given {len(values)}")
+    buffers, sizes = {}, {}
+    for i, (param, value) in enumerate(zip(func.params, values)):
+        if not is_buffer(param):
+            sizes[param.name] = int(value)
+            continue
+        array = np.asarray(value, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
+        if len(param.shape) != array.ndim or str(param.dtype) != str(array.dtype):
+            raise ValueError(f"{lowered.name}: {param.name} takes {param.dtype}{list(param.shape)}, "
+                             f"given {array.dtype}{list(array.shape)}")
+        for dim, n in zip(param.shape, array.shape):
+            if hasattr(dim, "value"):
+                if int(dim.value) != n:
+                    raise ValueError(f"{lowered.name}: {param.name} has {n} where {int(dim.value)} is expected")
+            elif hasattr(dim, "name"):
+                sizes[dim.name] = n
+        if hasattr(param.elem_offset, "name"):  # a symbolic offset: the runner's buffers start at 0
+            sizes[param.elem_offset.name] = 0
+        buffers[i] = array
+    handles = {i: dev.upload(a) for i, a in buffers.items()}
+    for key, (shape, dtype) in lowered.workspace_shapes(sizes).items():
+        handles[key] = dev.upload(np.zeros(shape, dtype))
+    for launch in lowered.launches(sizes):
+        if launch.grid[0] * launch.grid[1] * launch.grid[2]:
+            dev.launch(launch, target, [handles[b] for b in launch.buffers])
+    return [dev.download(handles[i], buffers[i]) for i in range(len(inputs), len(inputs) + len(outputs))]
+
+
+def run_main(mod, target, args: list[np.ndarray], dev=None, progress=None) -> list[np.ndarray]:
+    """Run a module's `main` (after the compile phases: call_tir bindings, tuples and their items) kernel by kernel
+    on the target's driver; `args`: main's parameters (graph inputs, then weights). The intermediate tensors go
+    through host memory between kernels (simple, not fast). Returns main's outputs (a tuple: a list)."""
+    import tvm
+    import tvm.sym
+    from tvm import relax, tirx
+
+    from k3compile.targets.gpu import lower
+
+    dev = dev or driver(target.name)
+    main = mod["main"]
+    lowered = lower(mod, target)
+    env: dict = {}
+    analyzer = tvm.sym.Analyzer()
+    for param, value in zip(main.params, args):
+        env[param.__chandle__()] = value  # keyed by object (a Var's == builds an expression)
+        for dim, n in zip(param.ty.shape, value.shape):
+            if isinstance(dim, tirx.Var):
+                analyzer.bind(dim, tirx.const(n, str(dim.ty)))
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def number(expr) -> int:
+        return int(analyzer.simplify(expr).value)
+
+    def spec(ty):
+        return tuple(number(d) for d in ty.shape), str(ty.dtype)
+
+    def value_of(expr):
+        if isinstance(expr, relax.Var) and expr.__chandle__() in env:
+            return env[expr.__chandle__()]
+        if not isinstance(expr, (relax.Var, relax.Tuple)) and hasattr(expr, "value") and hasattr(expr.value, "numpy"):
+            return expr.value.numpy()  # a constant
+        if str(expr.ty).startswith(("int", "uint")):  # a shape variable or expression: a scalar argument
+            return number(expr)
+        if isinstance(expr, relax.Tuple):
+            return [value_of(f) for f in expr.fields]
+        if hasattr(expr, "value") and hasattr(expr.value, "numpy"):  # a constant
+            return expr.value.numpy()
+        raise DeviceError(f"main: cannot evaluate {type(expr).__name__} {expr} on the device runner")
+
+    bindings = [b for block in main.body.blocks for b in block.bindings]
+    for n, binding in enumerate(bindings):
+        value = binding.value
+        if isinstance(value, relax.Call) and value.op.same_as(call_tir):
+            gv = value.args[0]
+            args_in = [value_of(a) for a in value.args[1].fields]
+            scalars = [number(v) for v in value.args[2].values] if len(value.args) > 2 else []
+            out_ty = binding.var.ty
+            outs = [spec(t) for t in out_ty.fields] if isinstance(out_ty, relax.TupleType) else [spec(out_ty)]
+            if progress is not None:
+                progress(f"kernel {n + 1}/{len(bindings)}: {gv.name_hint}")
+            got = run(mod[gv], target, args_in, outs, dev, lowered[gv.name_hint], tuple(scalars))
+            env[binding.var.__chandle__()] = got if isinstance(out_ty, relax.TupleType) else got[0]
+        elif isinstance(value, relax.TupleGetItem):
+            env[binding.var.__chandle__()] = value_of(value.tuple_value)[value.index]
+        else:
+            env[binding.var.__chandle__()] = value_of(value)
+    result = value_of(main.body.body)
+    return result if isinstance(result, list) else [result]
+
+
+class OpenCL:
+    """pyopencl on the first OpenCL platform with a device."""
+
+    def __init__(self) -> None:
+        try:
+            import pyopencl as cl
+
+            platforms = cl.get_platforms()
+        except Exception as e:  # noqa: BLE001 - pyopencl or the ICD loader: the reason is the message
+            raise DeviceError(f"OpenCL: no platform ({e}); install an ICD (Debian: pocl-opencl-icd)") from None
+        devices = [d for p in platforms for d in p.get_devices()]
+        if not devices:
+            raise DeviceError("OpenCL: the platforms have no device")
+        self.cl = cl
+        self.device = devices[0]
+        self.ctx = cl.Context(devices=[self.device])
+        self.queue = cl.CommandQueue(self.ctx)
+        self._programs: dict[str, object] = {}
+
+    def describe(self) -> str:
+        return f"{self.device.platform.name}: {self.device.name}"
+
+    def upload(self, array: np.ndarray):
+        mf = self.cl.mem_flags
+        return self.cl.Buffer(self.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=_padded(array))
+
+    def download(self, handle, like: np.ndarray) -> np.ndarray:
+        raw = np.empty(max(like.nbytes, 4), np.uint8)
+        self.cl.enqueue_copy(self.queue, raw, handle)
+        return raw[:like.nbytes].view(like.dtype).reshape(like.shape).copy()
+
+    def launch(self, launch, target, handles) -> None:
+        from k3compile.targets.gpu import kernel_source
+
+        key = _key(launch.kernel)
+        if key not in self._programs:
+            source = kernel_source(launch.kernel, target.tvm())
+            try:
+                program = self.cl.Program(self.ctx, source).build()
+            except self.cl.RuntimeError as e:
+                raise DeviceError(f"OpenCL refused kernel {launch.kernel.name}: {_reason(e)}") from None
+            self._programs[key] = getattr(program, launch.kernel.name)
+        kernel = self._programs[key]
+        scalars = [np.dtype(p.dtype).type(v) for p, v in zip((p for p in launch.kernel.params if not p.buffer),
+                                                              launch.scalars)]
+        size = tuple(g * b for g, b in zip(launch.grid, launch.block))
+        kernel(self.queue, size, launch.block, *handles, *scalars)
+        self.queue.finish()
+
+
+class WebGPU:
+    """wgpu on its default adapter, with the storage-buffer limit TVM's web runtime asks for."""
+
+    def __init__(self) -> None:
+        try:
+            import wgpu
+
+            adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+            if adapter is None:
+                raise RuntimeError("no adapter")
+            self.device = adapter.request_device_sync(required_limits={"max-storage-buffers-per-shader-stage": 10})
+        except Exception as e:  # noqa: BLE001 - wgpu or the Vulkan loader: the reason is the message
+            raise DeviceError(f"WebGPU: no adapter ({e}); install a Vulkan driver (Debian: mesa-vulkan-drivers)") \
+                from None
+        self.wgpu = wgpu
+        self.adapter = adapter
+        self._pipelines: dict[str, tuple] = {}
+
+    def describe(self) -> str:
+        info = self.adapter.info
+        return f"{info.get('device', '?')} ({info.get('backend_type', '?')})"
+
+    def upload(self, array: np.ndarray):
+        usage = self.wgpu.BufferUsage
+        return self.device.create_buffer_with_data(data=_padded(array).tobytes(),
+                                                   usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST)
+
+    def download(self, handle, like: np.ndarray) -> np.ndarray:
+        raw = np.frombuffer(bytes(self.device.queue.read_buffer(handle)), np.uint8)
+        return raw[:like.nbytes].view(like.dtype).reshape(like.shape).copy()
+
+    def pipeline(self, kernel, target):
+        """(pipeline, bindings: buffer parameter -> binding, POD fields, POD binding) of a kernel, made once; the
+        shader module's creation validates the WGSL (an invalid one raises DeviceError naming the kernel)."""
+        from k3compile.targets.gpu import kernel_source
+
+        key = _key(kernel)
+        if key not in self._pipelines:
+            source = kernel_source(kernel, target.tvm())
+            try:
+                module = self.device.create_shader_module(code=source)
+                pipeline = self.device.create_compute_pipeline(
+                    layout="auto", compute={"module": module, "entry_point": kernel.name})
+            except Exception as e:  # noqa: BLE001 - wgpu's validation error: its message is the reason
+                raise DeviceError(f"WebGPU refused kernel {kernel.name}: {_reason(e)}") from None
+            bindings = {m.group(2): int(m.group(1)) for m in re.finditer(
+                r"@binding\((\d+)\) var<storage, [a-z_]+> (\w+) ", source)}
+            pod = re.search(r"struct PODArgs \{([^}]*)\}", source)
+            fields = re.findall(r"(\w+): (\w+)", pod.group(1)) if pod else []
+            pod_binding = re.search(r"@binding\((\d+)\) var<uniform> podArgs", source)
+            self._pipelines[key] = (pipeline, bindings, fields, int(pod_binding.group(1)) if pod_binding else None)
+        return self._pipelines[key]
+
+    def launch(self, launch, target, handles) -> None:
+        pipeline, bindings, fields, pod_binding = self.pipeline(launch.kernel, target)
+        params = [p for p in launch.kernel.params if p.buffer]
+        entries = [{"binding": bindings[p.name], "resource": {"buffer": h, "offset": 0, "size": h.size}}
+                   for p, h in zip(params, handles) if p.name in bindings]
+        if pod_binding is not None:
+            values = dict(zip((p.name for p in launch.kernel.params if not p.buffer), launch.scalars))
+            values["packGridDimX"] = launch.grid[0] - 1  # the last block index along x (no packing over z here)
+            data = b"".join(struct.pack({"i32": "<i", "u32": "<I", "f32": "<f"}[ty], values[name])
+                            for name, ty in fields)
+            pod = self.device.create_buffer_with_data(data=data.ljust(max(16, -(-len(data) // 16) * 16), b"\0"),
+                                                      usage=self.wgpu.BufferUsage.UNIFORM)
+            entries.append({"binding": pod_binding, "resource": {"buffer": pod, "offset": 0, "size": pod.size}})
+        group = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
+        encoder = self.device.create_command_encoder()
+        compute = encoder.begin_compute_pass()
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, group)
+        if max(launch.grid) > 65535:
+            raise DeviceError(f"{launch.kernel.name}: a grid of {launch.grid} is over WebGPU's 65535 per dimension")
+        compute.dispatch_workgroups(*launch.grid)
+        compute.end()
+        self.device.queue.submit([encoder.finish()])
+
+
+def _key(kernel):
+    """A kernel's identity for the caches: its name and its lowered code (names repeat across modules)."""
+    import tvm_ffi
+
+    return kernel.name, tvm_ffi.structural_hash(kernel.func)
+
+
+def _padded(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, at least 4 and a multiple of 4 (WebGPU buffer sizes; an empty OpenCL buffer is an
+    error)."""
+    raw = np.asarray(array, order="C").reshape(-1).view(np.uint8)
+    pad = max(4, -(-raw.size // 4) * 4) - raw.size
+    return np.concatenate([raw, np.zeros(pad, np.uint8)]) if pad else raw
+
+
+def _reason(error: Exception) -> str:
+    """wgpu's validation message on one line (its first lines are a generic header)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    useful = [line for line in lines if line not in ("Validation Error", "Caused by:")]
+    errors = [line for line in useful if "error" in line.lower()]
+    return " / ".join((errors or useful)[:4]) or type(error).__name__
