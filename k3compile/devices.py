@@ -37,14 +37,6 @@ def driver(name: str):
     raise DeviceError(f"no device driver for {name!r} (drivers: {', '.join(DRIVERS)})")
 
 
-def is_buffer(param) -> bool:
-    """A PrimFunc parameter that is a buffer (in this TVM the parameter is its buffer), not a scalar."""
-    try:
-        return param.shape is not None
-    except AttributeError:
-        return False
-
-
 def run(func, target, inputs: list, outputs: list[tuple[tuple[int, ...], str]], dev=None, lowered=None,
         scalars: tuple = ()) -> list[np.ndarray]:
     """Run PrimFunc `func` (its parameters: the inputs, then the outputs, destination-passing style, then any
@@ -52,7 +44,7 @@ def run(func, target, inputs: list, outputs: list[tuple[tuple[int, ...], str]], 
     or, for a scalar parameter, an int; `outputs`: (shape, dtype) of each output. Returns the outputs."""
     import tvm
 
-    from k3compile.targets.gpu import lower
+    from k3compile.targets.gpu import is_buffer, lower
 
     dev = dev or driver(target.name)
     if lowered is None:
@@ -126,8 +118,6 @@ def run_main(mod, target, args: list[np.ndarray], dev=None, progress=None) -> li
             return number(expr)
         if isinstance(expr, relax.Tuple):
             return [value_of(f) for f in expr.fields]
-        if hasattr(expr, "value") and hasattr(expr.value, "numpy"):  # a constant
-            return expr.value.numpy()
         raise DeviceError(f"main: cannot evaluate {type(expr).__name__} {expr} on the device runner")
 
     bindings = [b for block in main.body.blocks for b in block.bindings]

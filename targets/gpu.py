@@ -10,6 +10,7 @@ not report: `check` refuses any PrimFunc whose lowered host function still loads
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -310,13 +311,21 @@ def check(mod, target, lowered: dict[str, Lowered] | None = None) -> dict[str, L
                     raise ExportError(f"{where} uses {dtype} ({limits.why.get(dtype.split('x')[0], 'unsupported')})")
         if limits.max_binding_bytes is not None and name in shapes:
             for buf in shapes[name].params:  # a PrimFunc parameter is its buffer
-                if str(buf.ty).startswith("metadata") and all(hasattr(d, "value") for d in buf.shape):
-                    size = int(__import__("numpy").prod([int(d.value) for d in buf.shape])) * _bytes(buf.dtype)
+                if is_buffer(buf) and all(hasattr(d, "value") for d in buf.shape):
+                    size = math.prod(int(d.value) for d in buf.shape) * _bytes(buf.dtype)
                     if size > limits.max_binding_bytes:
                         raise ExportError(
                             f"{where} binds {buf.name} of {size / 2**20:.0f} MiB; {limits.language} devices "
                             f"guarantee {limits.max_binding_bytes // 2**20} MiB per binding (shard the experts)")
     return lowered
+
+
+def is_buffer(param) -> bool:
+    """A PrimFunc parameter that is a buffer (in this TVM the parameter is its buffer), not a scalar."""
+    try:
+        return param.shape is not None
+    except AttributeError:
+        return False
 
 
 def _bytes(dtype) -> int:
