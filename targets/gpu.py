@@ -49,21 +49,10 @@ class DeviceKernel:
     dtypes: frozenset
     func: object     # the device PrimFunc (codegen input)
 
-    def launch(self, scalars: dict[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        """(grid, workgroup) sizes for the scalar parameter values."""
-        import tvm.sym
-        from tvm import tirx
-
-        dims = {"blockIdx.x": 1, "blockIdx.y": 1, "blockIdx.z": 1, "threadIdx.x": 1, "threadIdx.y": 1,
-                "threadIdx.z": 1}
-        analyzer = tvm.sym.Analyzer()
-        for p in self.func.params:
-            if p.name in scalars:
-                analyzer.bind(p, tirx.const(scalars[p.name], str(p.ty)))
-        for tag, extent in self.extents:
-            dims[tag] = int(analyzer.simplify(extent))
-        return ((dims["blockIdx.x"], dims["blockIdx.y"], dims["blockIdx.z"]),
-                (dims["threadIdx.x"], dims["threadIdx.y"], dims["threadIdx.z"]))
+    @property
+    def threads(self) -> int:
+        """Threads of a workgroup (the threadIdx extents, constants in every kernel TVM binds)."""
+        return math.prod(int(extent) for tag, extent in self.extents if tag.startswith("threadIdx"))
 
 
 @dataclass(frozen=True)
@@ -294,10 +283,8 @@ def check(mod, target, lowered: dict[str, Lowered] | None = None) -> dict[str, L
         if low.host_memory or not low.kernels:
             raise ExportError(f"{where} has no thread binding (it would run as host code over device memory)")
         for k in low.kernels:
-            _, block = k.launch({p.name: 1 for p in k.params if not p.buffer})
-            threads = block[0] * block[1] * block[2]
-            if threads > limits.max_threads:
-                raise ExportError(f"{where} uses workgroups of {threads} threads; {limits.language} allows "
+            if k.threads > limits.max_threads:
+                raise ExportError(f"{where} uses workgroups of {k.threads} threads; {limits.language} allows "
                                   f"{limits.max_threads}")
             for tag, _ in k.extents:
                 if tag in limits.no_threads:
