@@ -108,3 +108,26 @@ def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: s
     (progress or (lambda msg: None))(f"compiling {source} for {target} into the cache ({folder})")
     compile_export(export, folder, target=target, overwrite=True, progress=progress)
     return folder
+
+
+def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, weights: str = "auto",
+                   progress: Callable[[str], None] | None = None) -> Path:
+    """A sharded artifact of SOURCE over `mesh` (`export --mesh`'s OUT) in the cache, built on first use."""
+    from k3compile import source as sources
+    from k3compile.partition import export_sharded, read_sharded
+    from k3compile.sharding import Mesh
+    from k3compile.targets import resolve
+
+    parsed = Mesh.parse(mesh)
+    record = sources.record(source, seed, weights)
+    folder = cache_root() / "sharded" / entry_key("sharded", record, {"mesh": str(parsed),
+                                                                      "target": resolve(target).describe()})
+    try:
+        read_sharded(folder)
+        return folder
+    except ExportError:
+        pass
+    (progress or (lambda msg: None))(f"building {source} over {parsed} into the cache ({folder})")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    export_sharded(source, folder, parsed, target, seed=seed, experts=weights, overwrite=True, progress=progress)
+    return folder

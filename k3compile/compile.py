@@ -133,6 +133,13 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     `executable=False` stops before TVM's code generation (the executable is then None): what the device runner
     (k3compile/devices.py) needs."""
     import onnx
+
+    return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), target, progress, dump_ir, executable)
+
+
+def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | None = None,
+                dump_ir: str | Path | None = None, executable: bool = True):
+    """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py)."""
     import tvm
     from tvm import relax
 
@@ -143,7 +150,7 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     step = progress or (lambda msg: None)
     tgt = resolve(target)
     step("importing into TVM Relax")
-    mod, _, raw = to_relax(onnx.load(str(Path(export_dir) / MODEL_FILE)), keep_params=True)
+    mod, _, raw = to_relax(proto, keep_params=True)
     step(f"lowering and scheduling for {tgt.describe()}")
     dump = _dump_folder(dump_ir) if dump_ir is not None else None
     if tgt.gpu:

@@ -109,23 +109,21 @@ def _rename_dims(model, names: dict[str, str]) -> None:
         fix(vi)
 
 
-def _dim_names(model, cfg: K3Config) -> dict[str, str]:
+def _dim_names(model, first: str, latent: str | None) -> dict[str, str]:
+    """torch's symbols -> batch and seq (axes 0, 1 of input `first`), past+seq (the mask's axis 1; `total` in a
+    graph without an MLA cache) and past (axis 1 of the MLA cache input `latent`)."""
     inputs = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     names = {}
-    b, t = inputs["input_ids"][:2]
+    b, t = inputs[first][:2]
     if b:
         names[b] = "batch"
     if t:
         names[t] = "seq"
     total = inputs["attention_mask"][1]
-    if total:
-        names[total] = "past+seq"
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_mla(i):
-            p = inputs[f"past.{i}.latent"][1]
-            if p:
-                names[p] = "past"
-            break
+    if total:  # without an MLA cache input no `past` symbol exists to spell it with
+        names[total] = "past+seq" if latent is not None else "total"
+    if latent is not None and inputs[latent][1]:
+        names[inputs[latent][1]] = "past"
     return names
 
 
@@ -148,18 +146,27 @@ def _quiet_exporter():
 def trace_to_onnx(model: K3ForCausalLM, opset: int, act_quant: str = "none"):
     """The k3 ONNX ModelProto of a model (weights inside as initializers), in the exported forms (absorbed MLA) with
     `act_quant` (a modes.ActQuant value: none, e4m3, e5m2)."""
+    cfg = model.config
+    gi = GraphInterface.of(cfg)
+    latent = next((f"past.{i}.latent" for i in range(cfg.num_hidden_layers) if cfg.is_mla(i)), None)
+    return trace_graph(GraphModule(model, Forms.exported(act_quant)).eval(), sample_inputs(cfg), _dynamic_shapes(cfg),
+                       gi.inputs, gi.outputs, opset, latent)
+
+
+def trace_graph(module: torch.nn.Module, sample: list[torch.Tensor], dynamic_shapes: dict, inputs: list[str],
+                outputs: list[str], opset: int, latent: str | None):
+    """The k3 ONNX ModelProto of `module(*sample)` (flat tensors in and out, named `inputs` / `outputs`; the first
+    input's axes 0 and 1 are batch and seq, the MLA cache input `latent` has the past axis): the recipe of this
+    module's docstring. The whole model's graph and a rank's (k3compile/partition.py) are both traced here."""
     import onnx
     from onnxscript import optimizer
 
-    cfg = model.config
     check_opset(opset)
     register_schemas()
-    gi = GraphInterface.of(cfg)
     with torch.no_grad(), _quiet_exporter():
         prog = torch.onnx.export(
-            GraphModule(model, Forms.exported(act_quant)).eval(), tuple(sample_inputs(cfg)), dynamo=True,
-            opset_version=TRACE_OPSET,
-            optimize=False, dynamic_shapes=_dynamic_shapes(cfg), input_names=gi.inputs, output_names=gi.outputs,
+            module, tuple(sample), dynamo=True, opset_version=TRACE_OPSET, optimize=False,
+            dynamic_shapes=dynamic_shapes, input_names=inputs, output_names=outputs,
             custom_translation_table=translation_table(), verbose=False,
         )
     m = prog.model_proto
@@ -174,7 +181,7 @@ def trace_to_onnx(model: K3ForCausalLM, opset: int, act_quant: str = "none"):
     m.functions.extend(function_bodies(opset, used))
     default = [imp for imp in m.opset_import if imp.domain == ""]
     m.ir_version = max(m.ir_version, onnx.helper.find_min_ir_version_for(default))
-    _rename_dims(m, _dim_names(m, cfg))
+    _rename_dims(m, _dim_names(m, inputs[0], latent))
     return m
 
 

@@ -55,6 +55,22 @@ def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
 
 
+def check_request(cfg, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0) -> None:
+    """Everything about a generation request that can be refused before any step (here and in k3compile run)."""
+    check_prompts(prompts, cfg.vocab_size)
+    if max_new_tokens < 0:
+        raise GenerationError("max-new-tokens must be >= 0")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise GenerationError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens "
+                              f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
+    if not 0.0 < top_p <= 1.0:
+        raise GenerationError("top-p must lie in (0, 1]")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+
+
 def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> Tensor:
     """logits [B, V] -> next token ids [B]."""
     if temperature <= 0:
@@ -83,17 +99,7 @@ def generate(
     progress: Callable[[int, int], None] | None = None,
 ) -> Generation:
     cfg = backend.config
-    check_prompts(prompts, cfg.vocab_size)
-    if max_new_tokens < 0:
-        raise GenerationError("max-new-tokens must be >= 0")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise GenerationError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens "
-                              f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
-    if not 0.0 < top_p <= 1.0:
-        raise GenerationError("top-p must lie in (0, 1]")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+    check_request(cfg, prompts, max_new_tokens, temperature, top_p)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     ids, mask = left_pad(prompts, pad)
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,5 @@
-"""The `k3compile` command line: a thin click layer, one module per verb (presets, generate, export, compile, verify).
+"""The `k3compile` command line: a thin click layer, one module per verb (presets, plan, generate, export, compile,
+verify, run, bench).
 
 Each command parses, calls one library function, prints. Errors the user can fix (errors.UserError) print one line
 and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files removed) with one line and exit 143; progress
@@ -12,7 +13,7 @@ import logging
 import click
 
 from k3compile import __version__
-from k3compile.cli import bench, compile, export, generate, presets, verify
+from k3compile.cli import bench, compile, export, generate, plan, presets, run, verify
 from k3compile.cli.common import Group
 
 
@@ -29,5 +30,5 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (presets, generate, export, compile, verify, bench):
+for _verb in (presets, plan, generate, export, compile, verify, run, bench):
     main.add_command(_verb.command)

@@ -33,9 +33,12 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Write the results as JSON to this file (a new file).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="Write a chart to this PNG file (a new file; needs matplotlib).")
+@click.option("--mesh", "meshes", multiple=True, metavar="ep=E[,pp=P]",
+              help="Instead: distributed decode over each mesh given (repeat the option; `k3compile run` on this "
+                   "machine), decode tokens/s and bytes per token; --decode-batches' first size is the batch.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
-            quiet):
+            meshes, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM in one run: decode and prefill
     tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert kernel against torch fp32, the KDA
     kernel as T doubles, the memory roofline, load time and peak memory. Builds into the cache on first use. Run it
@@ -57,6 +60,15 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
         from k3compile.compile import check_target
 
         check_target(target)
+        if meshes:
+            from k3compile.bench import mesh_table, run_mesh_bench
+
+            with status(f"benchmarking {source} over {len(meshes)} meshes", quiet) as step:
+                result = run_mesh_bench(source, meshes, batches[0], decode_steps, repeats, step)
+            if json_path is not None:
+                Path(json_path).write_text(dumps(result, indent=2) + "\n")
+            click.echo(mesh_table(result))
+            return
         with status(f"benchmarking {source}", quiet) as step:
             result = run_bench(source, names, threads, repeats, batches, decode_steps, lengths, target, step)
         if json_path is not None:

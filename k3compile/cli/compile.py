@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from k3compile.cli.common import dumps, status, user_errors
@@ -18,13 +20,20 @@ from k3compile.cli.common import dumps, status, user_errors
 @click.option("--tune", "tune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all; 0: no "
                    "tuning. Minutes: each builder worker starts in ~1 minute.")
+@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
+              help="Shard over this mesh: the ranks' graphs are traced again from the source FOLDER records (its "
+                   "export.json), one library and weight file per rank; run OUT with `k3compile run`.")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, overwrite, dump_ir, tune, as_json, quiet):
+def command(folder, out, target, overwrite, dump_ir, tune, mesh, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
 
+    if mesh is not None:
+        if dump_ir or tune:
+            raise click.UsageError("--dump-ir and --tune do not apply to --mesh")
+        return _compile_sharded(folder, out, target, overwrite, mesh, as_json, quiet)
     with user_errors(), status(f"compiling {folder}", quiet) as step:
         manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir,
                                   tune=tune)
@@ -37,3 +46,21 @@ def command(folder, out, target, overwrite, dump_ir, tune, as_json, quiet):
             tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"
             click.echo(f"  decode {row['function']} (x{row['calls']}): hand {row['hand_us']:.1f} us, tuned {tuned}: "
                        f"{row['chosen']}")
+
+
+def _compile_sharded(folder, out, target, overwrite, mesh, as_json, quiet):
+    """An export sharded: the ranks are traced from the source the export records (a rank's graph is not a cut of
+    the whole graph's ONNX), with its weights' seed, expert format, activations and opset."""
+    from k3compile.cli.export import _export_sharded
+    from k3compile.interface import open_export
+    from k3compile.source import PRESET, kind_of
+
+    with user_errors():
+        doc, _ = open_export(folder)
+        src = doc.get("source") or {}
+        source = src.get("source")
+        if not isinstance(source, str) or not (kind_of(source) == PRESET or Path(source).exists()):
+            raise click.ClickException(f"{folder}: its export.json records no source that exists here "
+                                       f"({source!r}); export the source with --mesh instead")
+    _export_sharded(source, out, mesh, target, int(src.get("seed", 0)), src.get("experts", "auto"),
+                    doc["activations"], doc["opset"], overwrite, None, as_json, quiet)

@@ -30,11 +30,14 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--target", default=None,
               help="Also compile with TVM for this target (llvm: this CPU): OUT is then the compiled artifact "
                    "(`k3compile compile`'s OUT, holding the ONNX too).")
+@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
+              help="Shard over this device mesh: OUT holds one library and weight file per rank and a manifest with "
+                   "the plan and each rank's step schedule; run it with `k3compile run OUT` (target llvm).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print export.json (with --target: manifest.json) on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,
-            target, threads, as_json, quiet):
+            target, mesh, threads, as_json, quiet):
     """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
 
     The graph serves prefill and decode (dynamic batch, new tokens and past length). OUT is written through a
@@ -51,6 +54,9 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
         raise click.UsageError("--seed is the old name of --weight-seed; give one of them")
     seed = weight_seed if weight_seed is not None else (seed_alias or 0)
     record = sources.record(source, seed, weights)
+    if mesh is not None:
+        return _export_sharded(source, out, mesh, target or "llvm", seed, weights, activations, opset, overwrite,
+                               threads, as_json, quiet)
     with user_errors():
         check_options(out, opset, activations, overwrite, source_paths(record))
         if target is not None:
@@ -101,3 +107,27 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
                    f"compiled in {manifest['compile_s']:.1f} s")
+
+
+def _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite, threads, as_json, quiet):
+    """--mesh: one library and weight file per rank (k3compile/partition.py)."""
+    from k3compile.export import check_options, source_paths
+    from k3compile.partition import check_mesh_target, export_sharded
+    from k3compile.sharding import Mesh
+    from k3compile.source import record
+    from k3compile.threads import use_threads
+
+    with user_errors():
+        mesh = Mesh.parse(mesh)
+        check_options(out, opset, activations, overwrite, source_paths(record(source, seed, weights)))
+        check_mesh_target(target)
+        if threads:
+            use_threads(threads)
+        with status(f"loading {source}", quiet) as step:
+            manifest = export_sharded(source, out, mesh, target, seed=seed, experts=weights, activations=activations,
+                                      opset=opset, overwrite=overwrite, progress=step)
+    if as_json:
+        click.echo(dumps(manifest, indent=2))
+    elif not quiet:
+        click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}), {manifest['builds']} distinct "
+                   f"libraries, built in {manifest['build_s']:.1f} s; run it with `k3compile run {out}`")

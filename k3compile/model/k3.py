@@ -34,13 +34,13 @@ class Carry:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, index: int) -> None:
+    def __init__(self, cfg: K3Config, index: int, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.is_mla = cfg.is_mla(index)
         self.self_attn = GatedMLA(cfg) if self.is_mla else KimiDeltaAttention(cfg)
         if cfg.is_moe(index):
-            self.block_sparse_moe = MoE(cfg)
+            self.block_sparse_moe = MoE(cfg, experts)
         else:
             self.mlp = GatedMLP(cfg, d, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(d, eps)
@@ -64,10 +64,10 @@ class DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, experts) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size:
             self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -75,10 +75,12 @@ class K3Model(nn.Module):
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    """`experts` = (a, b): every MoE layer holds the routed experts [a, b) only (one rank of expert parallelism)."""
+
+    def __init__(self, cfg: K3Config, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = K3Model(cfg)
+        self.model = K3Model(cfg, experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

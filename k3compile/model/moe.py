@@ -9,9 +9,15 @@ MoE").
 
 Routed experts are stacked: float `w13` [E, 2I, D_e] ([W1; W3]) and `w2` [E, D_e, I], or MXFP4 buffers
 `w13_packed`/`w13_scale`/`w2_packed`/`w2_scale` (uint8). The checkpoint adapter maps per-expert w1/w2/w3.
+
+A model may hold a contiguous slice [a, b) of every layer's routed experts (expert parallelism, docs/architecture.md
+"Sharding"): the dispatch then sums that slice only, and `MoE.reduce`, when set, turns the slice's partial latent
+sum into the sum over all experts (an all-reduce across the ranks holding the other slices) before the latent norm.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -56,9 +62,13 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """Stacked routed-expert weights of one layer, float or MXFP4-packed."""
 
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
-        e, d, i = cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size
+        start, stop = experts or (0, cfg.num_experts)
+        e, d, i = stop - start, cfg.latent_size, cfg.moe_intermediate_size
+        self.sliced = experts is not None
+        if self.sliced:  # a tensor, not a constant: the ranks of a slice size then share one compiled graph
+            self.register_buffer("expert_offset", torch.tensor(start, dtype=torch.int32), persistent=False)
         self.mxfp4 = cfg.expert_format == ExpertFormat.MXFP4
         if self.mxfp4:
             self.register_buffer("w13_packed", torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8))
@@ -77,11 +87,12 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: K3Config) -> None:
+    def __init__(self, cfg: K3Config, experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.reduce: Callable[[Tensor], Tensor] | None = None  # the partial sum of a slice -> the sum of all
         self.gate = Router(cfg)
-        self.experts = RoutedExperts(cfg)
+        self.experts = RoutedExperts(cfg, experts)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size)
         if cfg.is_latent_moe:
@@ -91,10 +102,12 @@ class MoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(cfg.latent_size, cfg.rms_norm_eps)
 
     def routed_partial(self, x: Tensor, idx: Tensor, w: Tensor, act_quant: ActQuant = ActQuant.NONE) -> Tensor:
-        """The pre-norm latent sum Σ_j w_j E_idx_j(z) [N, D_e] fp32 over all experts (one slice: all of them).
-        `act_quant`: MXFP8 fake quantization of the activations in front of the expert matmuls."""
+        """The pre-norm latent sum Σ_j w_j E_idx_j(z) [N, D_e] fp32 over the experts this module holds (all of
+        them, or a slice). `act_quant`: MXFP8 fake quantization of the activations in front of the expert matmuls."""
         z = self.routed_expert_down_proj(x) if self.cfg.is_latent_moe else x
         w13, w2, s13, s2 = self.experts.weights()
+        if self.experts.sliced:  # indices local to the slice; the dispatch skips those outside [0, E_slice)
+            idx = idx - self.experts.expert_offset.to(idx.dtype)
         return latent_moe_dispatch(
             z, idx, w, w13, w2, s13, s2, 0, self.cfg.hidden_act, self.cfg.activation_situ_beta,
             self.cfg.activation_situ_linear_beta, ActQuant(act_quant).value,
@@ -105,6 +118,8 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         idx, w = self.gate(xf)
         y = self.routed_partial(xf, idx, w, act_quant)
+        if self.reduce is not None:
+            y = self.reduce(y)
         if self.cfg.is_latent_moe:
             if self.cfg.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)

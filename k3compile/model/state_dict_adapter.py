@@ -8,7 +8,7 @@ writes the dense layer-0 MLP under `block_sparse_moe.`. Only names and layouts h
 
 A `Selection` picks what one rank of a mesh needs: a layer range [a, b) (a pipeline stage: the embedding only on
 the first stage, the final norm and head only on the last) and/or an expert slice [a, b) of every MoE layer
-(expert parallelism: the stacked slice feeds the dispatch op with expert_offset = a).
+(expert parallelism: the model holding the stacked slice routes with indices local to it).
 """
 
 from __future__ import annotations

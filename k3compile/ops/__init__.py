@@ -8,10 +8,10 @@ torch op. `SPECS` is the registry, callees first (a body's k3 nodes must be defi
 
 from __future__ import annotations
 
-from k3compile.ops import kda_recurrence, latent_moe_dispatch, mxfp4_matmul
+from k3compile.ops import collectives, kda_recurrence, latent_moe_dispatch, mxfp4_matmul
 from k3compile.ops.spec import OpSpec
 
-SPECS: tuple[OpSpec, ...] = (mxfp4_matmul.SPEC, kda_recurrence.SPEC, latent_moe_dispatch.SPEC)
+SPECS: tuple[OpSpec, ...] = (mxfp4_matmul.SPEC, kda_recurrence.SPEC, latent_moe_dispatch.SPEC, collectives.SPEC)
 
 
 def torch_op(spec: OpSpec):

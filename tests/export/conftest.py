@@ -23,3 +23,12 @@ def tiny_mxfp8_export(tmp_path_factory):
     out = tmp_path_factory.mktemp("exports") / "k3-tiny-mxfp8"
     doc = export(model, out, activations="mxfp8", source={"source": "k3-tiny", "seed": 1, "experts": "auto"})
     return model, out, doc
+
+
+@pytest.fixture(scope="session")
+def tvm_artifact(tiny_export, tmp_path_factory):
+    """tiny_export compiled for llvm: (manifest, folder)."""
+    from k3compile.compile import compile_export
+
+    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-llvm"
+    return compile_export(tiny_export[1], out), out

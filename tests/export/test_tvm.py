@@ -215,14 +215,6 @@ def test_importer_fixes_keep_a_shape_computed_slice_symbolic():
 
 # ---- the compiled artifact ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def tvm_artifact(tiny_export, tmp_path_factory):
-    from k3compile.compile import compile_export
-
-    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-llvm"
-    return compile_export(tiny_export[1], out), out
-
-
 def test_artifact_holds_what_the_manifest_lists(tvm_artifact):
     from k3compile.compile import read_manifest
     from k3compile.interface import sha256_file

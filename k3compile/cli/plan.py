@@ -1,0 +1,91 @@
+"""`k3compile plan`: where a model fits on N devices, and what each mesh moves per token (no weights)."""
+
+from __future__ import annotations
+
+import click
+
+from k3compile.cli.common import dumps, table_console, user_errors
+
+GIB = 2**30
+
+
+@click.command("plan")
+@click.argument("source", default="k3")
+@click.option("--devices", required=True, type=click.IntRange(min=1), help="Accelerators of the supernode.")
+@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
+              help="Only this mesh (dp fills the devices it leaves); refused when it cannot hold the model.")
+@click.option("--context", default=8192, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per sequence the MLA caches hold.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1), help="Sequences decoded at once.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Dense weights, caches, activations and wire (routed experts keep their stored format; KDA states "
+                   "are fp32). The CPU artifacts of `export --mesh` are fp32.")
+@click.option("--device-memory", "device_memory", default=64.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="GiB of memory per device.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def command(source, devices, mesh, context, batch, dtype, device_memory, as_json):
+    """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
+    folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
+    and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
+    and at full width."""
+    from k3compile.presets import load_config
+    from k3compile.sharding import Mesh, PlanError
+    from k3compile.sharding.cost import Sizes, candidate_meshes, does_not_fit, evaluate
+
+    memory = int(device_memory * GIB)
+    with user_errors():
+        cfg = load_config(source)
+        if mesh is not None:
+            m = Mesh.parse(mesh)
+            if devices % (m.ep * m.pp) or (m.dp > 1 and m.size != devices):
+                raise PlanError(f"mesh {m} does not divide {devices} devices")
+            meshes = [Mesh(m.ep, m.pp, devices // (m.ep * m.pp))]
+        else:
+            meshes = candidate_meshes(cfg, devices)
+            if not meshes:
+                raise PlanError(f"{cfg.name} cannot be split over {devices} devices")
+        if batch < max(m.dp for m in meshes) and mesh is not None:
+            raise PlanError(f"mesh {meshes[0]}: dp={meshes[0].dp} needs a batch of at least {meshes[0].dp}")
+        meshes = [m for m in meshes if m.dp <= batch]
+        if not meshes:
+            raise PlanError(f"every mesh of {devices} devices needs a batch of at least its dp; raise --batch")
+        sizes = Sizes.of(cfg)
+        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory) for m in meshes]
+        if mesh is not None and not rows[0]["fits"]:
+            raise PlanError(does_not_fit(rows[0], memory))
+        if not any(r["fits"] for r in rows):
+            raise PlanError(f"no mesh of {devices} devices holds {cfg.name}; the least full: "
+                            + does_not_fit(min(rows, key=lambda r: r["device_total"]), memory))
+    if as_json:
+        click.echo(dumps({"source": source, "devices": devices, "context": context, "batch": batch, "dtype": dtype,
+                          "device_memory": memory, "meshes": rows}, indent=2))
+        return
+    _table(cfg, rows, devices, context, batch, dtype, device_memory)
+
+
+def _table(cfg, rows, devices, context, batch, dtype, device_memory) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB ({dtype}, context "
+                    f"{context}, batch {batch}); GiB on the fullest device, bytes per decode token over the mesh")
+    t.add_column("mesh", no_wrap=True)
+    for col in ("dense", "experts", "KDA", "MLA", "act.", "total", "fits", "all-red.", "send", "a2a lat.",
+                "a2a full", "lat/full"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        b = r["device_bytes"]
+        experts = b.get("experts_mxfp4", b.get("experts_float", 0))
+        a2a = r["all_to_all_per_token"]
+        ratio = f"{a2a['latent'] / a2a['full_width']:.2f}" if a2a["full_width"] else "-"
+        t.add_row(r["mesh"], f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{b['kda_state'] / GIB:,.2f}",
+                  f"{b['mla_cache'] / GIB:,.2f}", f"{b['activations'] / GIB:,.3f}", f"{r['device_total'] / GIB:,.1f}",
+                  "yes" if r["fits"] else "no", _bytes(r["bytes_per_token"]["all_reduce"]),
+                  _bytes(r["bytes_per_token"]["send"]), _bytes(a2a["latent"]), _bytes(a2a["full_width"]), ratio)
+    table_console().print(t)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"

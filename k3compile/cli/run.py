@@ -1,0 +1,59 @@
+"""`k3compile run`: distributed decode of a sharded artifact, one process per rank on this machine."""
+
+from __future__ import annotations
+
+import click
+
+from k3compile.cli.common import SEED, FiniteFloat, dumps, parse_ids, table_console, user_errors
+
+
+@click.command("run")
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
+              help="Comma-separated token ids; repeat the option for a left-padded batch.")
+@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0), help="0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads per rank [default: the cores this process may use / ranks, at least 1].")
+@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0),
+              help="Seconds a collective waits for a peer before every rank gives up.")
+@click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
+                                            "as the plan predicts.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, stats, as_json, quiet):
+    """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank, started by torchrun's
+    elastic launcher on this machine, talking over torch.distributed (gloo). For several machines run
+    `torchrun --nnodes N ... -m k3compile.runtime.worker FOLDER ...` on each (README)."""
+    from k3compile.runtime.launch import run
+    from k3compile.runtime.worker import Options
+
+    prompts = [parse_ids(p) for p in prompt_ids]
+    with user_errors():
+        res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
+                                  progress=not quiet and not as_json))
+    if as_json:
+        click.echo(dumps(res, indent=2))
+        return
+    for p, toks in zip(prompts, res["tokens"]):
+        click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    if res["decode_tokens_per_s"] is not None and not quiet:
+        click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {res['mesh']}")
+    if stats:
+        _stats(res)
+
+
+def _stats(res) -> None:
+    from rich.table import Table
+
+    t = Table(title="bytes per decode token, measured (plan)")
+    for col in ("rank", "rows", "all-reduce", "send", "broadcast"):
+        t.add_column(col, justify="right")
+    for r in res["ranks"]:
+        rows = r["rows"]
+        t.add_row(str(r["rank"]), str(rows), *(f"{r['bytes_per_token'][op]:,.0f} "
+                                               f"({r['predicted_bytes_per_step'][op] / rows:,.0f})"
+                                               for op in ("all_reduce", "send", "broadcast")))
+    table_console().print(t)

@@ -1,0 +1,420 @@
+"""Partition and build for a mesh: one library and one weight file per rank (docs/architecture.md, "Sharding and the
+runtime").
+
+For each rank of the plan (sharding/plan.py) the model is assembled from that rank's tensors only (a checkpoint is
+read through the state-dict adapter's `Selection`: its layer range and expert slice, nothing else), the rank's graph
+is traced to ONNX with k3 ops (`RankGraph`: embedding on the first stage, the stage's layers, the head on the last;
+each MoE layer's latent partial sum through `k3.AllReduce` when ep > 1) and compiled by TVM like any export. Ranks
+whose graphs have the same structure (an expert-parallel group with slices of one size: the slice offset is a weight,
+not a constant) share one build; each still gets its own copy of the library and its own weights.
+
+OUT: `manifest.json` (kind tvm-sharded: the mesh, the plan, each rank's inputs, outputs, weight order and step
+schedule, versions, the sha256 of every file), `config.json`, and `rank<r>/model.so` + `rank<r>/weights.safetensors`.
+`read_sharded` checks all of it (or one rank's part) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from k3compile import __version__
+from k3compile.artifact import ArtifactError, ArtifactWriter
+from k3compile.config import K3Config
+from k3compile.interface import (
+    CONFIG_FILE,
+    ExportError,
+    flatten,
+    read_json,
+    sha256_file,
+    state_names,
+    unflatten,
+    write_json,
+)
+from k3compile.model.k3 import Carry, K3ForCausalLM
+from k3compile.modes import Forms
+from k3compile.sharding import Mesh, PlanError, RankPlan, ShardPlan, carry_names, make_plan
+
+KIND = "tvm-sharded"
+MANIFEST = "manifest.json"
+LIBRARY = "model.so"
+WEIGHTS = "weights.safetensors"
+OFFSET = "expert_offset"
+
+
+def rank_dir(r: int) -> str:
+    return f"rank{r}"
+
+
+# ---- one rank's graph -----------------------------------------------------------------------------------------
+
+def rank_io(cfg: K3Config, p: RankPlan, sliced: bool) -> tuple[list[str], list[str]]:
+    """A rank's graph inputs and outputs: (input_ids | the carry), attention_mask, its layers' past[, the first
+    expert of its slice (int64 scalar) when `sliced`] -> (logits | the carry on), their present."""
+    a, b = p.layers
+    past = [f"past.{i}.{n}" for i in range(a, b) for n in state_names(cfg, i)]
+    first = ["input_ids"] if p.first else [f"carry.{n}" for n in carry_names(cfg, a)]
+    last = ["logits"] if p.last else [f"carry.{n}" for n in carry_names(cfg, b)]
+    offset = [OFFSET] if sliced else []
+    return [*first, "attention_mask", *past, *offset], [*last, *(n.replace("past.", "present.", 1) for n in past)]
+
+
+class RankGraph(nn.Module):
+    """One rank's step with flat tensors in and out (rank_io's order)."""
+
+    def __init__(self, model: K3ForCausalLM, p: RankPlan, forms: Forms) -> None:
+        super().__init__()
+        from k3compile.model.moe import RoutedExperts
+
+        self.model, self.p, self.forms = model, p, forms
+        self.n_carry = 1 if p.first else len(carry_names(model.config, p.layers[0]))
+        self._sliced = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.sliced]
+
+    def forward(self, *flat: Tensor):
+        if self._sliced:  # the slice's first expert: an input, so that the ranks of a stage share one graph
+            *flat, offset = flat
+            for experts in self._sliced:
+                experts.expert_offset = offset
+        n = self.n_carry
+        carry = self.model.embed(flat[0]) if self.p.first else Carry(flat[0], tuple(flat[1:n]))
+        carry, present = self.model.run_layers(carry, *self.p.layers, unflatten(flat[n + 1:]), flat[n], self.forms)
+        out = [self.model.head(carry)] if self.p.last else [carry.hidden, *carry.bank]
+        return (*out, *flatten(present))
+
+
+def rank_sample(cfg: K3Config, p: RankPlan, sliced: bool, batch: int = 2, new: int = 3,
+                past: int = 2) -> tuple[list, dict]:
+    """Trace inputs (sizes >= 2 so that batch, seq and past stay symbolic) and their dynamic shapes."""
+    from k3compile.interface import init_past
+
+    gen = torch.Generator().manual_seed(0)
+    bd, sd, pd = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+    if p.first:
+        flat = [torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)]
+    else:
+        flat = [torch.randn(batch, new, cfg.hidden_size, generator=gen) for _ in carry_names(cfg, p.layers[0])]
+    shapes: list = [{0: bd, 1: sd} for _ in flat]
+    flat.append(torch.ones(batch, past + new, dtype=torch.long))
+    shapes.append({0: bd, 1: torch.export.Dim.AUTO})
+    a, b = p.layers
+    for i, state in zip(range(a, b), init_past(cfg, batch)[a:b]):
+        for t in state:
+            shape = (batch, past, t.shape[2]) if cfg.is_mla(i) else t.shape
+            flat.append(torch.randn(shape, generator=gen) * (0.1 if t.dim() == 4 else 1.0))
+            shapes.append({0: bd, 1: pd} if cfg.is_mla(i) else {0: bd})
+    if sliced:
+        flat.append(torch.tensor(p.experts[0], dtype=torch.int64))
+        shapes.append({})
+    return flat, {"flat": tuple(shapes)}
+
+
+def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: bool) -> K3ForCausalLM:
+    """A model holding exactly rank p's tensors (the rest of the decoder is left out): its layers, their expert
+    slice (`sliced`), the embedding on the first stage, the head on the last."""
+    from k3compile.model.moe import RoutedExperts
+
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, p.experts if sliced else None)
+    a, b = p.layers
+    for i in range(cfg.num_hidden_layers):
+        if not a <= i < b:
+            model.model.layers[i] = nn.Module()
+    if not p.first:
+        model.model.embed_tokens = None
+    if not p.last:
+        model.lm_head = model.model.norm = None
+        if cfg.attn_res_block_size:
+            model.model.output_attn_res_proj = model.model.output_attn_res_norm = None
+    wanted = set(model.state_dict())
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise ExportError(f"rank {p.rank}: the source has no {missing[0]} (and {len(missing) - 1} more)")
+    model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True, assign=True)
+    if cfg.tie_word_embeddings and p.last:
+        model.lm_head.weight = nn.Parameter(state["lm_head.weight"], requires_grad=False)
+    for mod in model.modules():
+        if isinstance(mod, RoutedExperts) and mod.sliced:
+            mod.expert_offset = torch.tensor(p.experts[0], dtype=torch.int32)
+    if sliced:
+        from k3compile.ops.collectives import all_reduce
+
+        for i in range(a, b):
+            moe = getattr(model.model.layers[i], "block_sparse_moe", None)
+            if moe is not None:
+                moe.reduce = _Reduce(all_reduce, i)
+    return model.eval()
+
+
+class _Reduce:
+    """MoE.reduce of layer `tag`: the all-reduce op (picklable, unlike a closure)."""
+
+    def __init__(self, op, tag: int) -> None:
+        self.op, self.tag = op, tag
+
+    def __call__(self, y: Tensor) -> Tensor:
+        return self.op(y, self.tag)
+
+
+# ---- the rank's tensors -----------------------------------------------------------------------------------------
+
+class RankSource:
+    """Where ranks get their tensors: a checkpoint folder (each rank reads its selection from the files) or a preset
+    / config (the seeded model, built once, sliced per rank)."""
+
+    def __init__(self, source: str, seed: int, experts: str) -> None:
+        from k3compile.source import CHECKPOINT, kind_of
+
+        self.source, self.seed, self.experts = source, seed, experts
+        self.checkpoint = kind_of(source) == CHECKPOINT
+        self._state: dict[str, Tensor] | None = None
+        if self.checkpoint:  # names and the stored expert format from the files' headers; no tensor read yet
+            from k3compile.checkpoint import _files, _scan
+            from k3compile.config import read_config
+            from k3compile.model.state_dict_adapter import detect_expert_format
+
+            self.config = read_config(source)
+            stored = detect_expert_format(_scan(_files(Path(source)))) or self.config.expert_format
+            self.config = self.config.replace(expert_format=stored)
+            self._fmt = stored if experts == "auto" else experts
+        else:
+            from k3compile.source import load_model
+
+            model = load_model(source, seed=seed, experts=experts)
+            self.config, self._state = model.config, model.state_dict()
+            self._fmt = self.config.expert_format
+
+    def rank_config(self) -> K3Config:
+        return self.config.replace(expert_format=self._fmt)
+
+    def state(self, cfg: K3Config, p: RankPlan, plan: ShardPlan) -> dict[str, Tensor]:
+        from k3compile.model.state_dict_adapter import Selection, convert_experts, from_checkpoint, to_checkpoint
+
+        select = Selection(p.layers if plan.mesh.pp > 1 else None, p.experts if plan.mesh.ep > 1 else None)
+        if not self.checkpoint:
+            tensors = {k: v for k, v in to_checkpoint(self._state, cfg, "kimi_linear").items() if select.keeps(k, cfg)}
+            return from_checkpoint(tensors, cfg, "kimi_linear")
+        from k3compile.checkpoint import load_state
+
+        stored, state, _ = load_state(self.source, select=select)
+        return state if stored.expert_format == self._fmt else convert_experts(state, self._fmt, torch.float32)
+
+
+# ---- building -----------------------------------------------------------------------------------------------------
+
+def structure_key(proto) -> str:
+    """The graph without the weights' values: equal keys compile to the same library."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    for t in m.graph.initializer:
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            t.ClearField(field)
+    return hashlib.sha256(m.SerializeToString(deterministic=True)).hexdigest()
+
+
+def swap_weights(proto, state: dict[str, Tensor]):
+    """A copy of a rank's traced graph holding another rank's tensors of the same stage and slice size (only the
+    routed experts differ), or None where the graph's initializers do not map one to one onto those tensors."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    inits = {t.name: t for t in m.graph.initializer}
+    for key, t in state.items():
+        init = inits.get("model." + key)
+        if init is None:
+            if ".experts." in key:
+                return None
+            continue
+        new = numpy_helper.from_array(t.detach().numpy(), init.name)
+        if list(new.dims) != list(init.dims) or new.data_type != init.data_type:
+            return None
+        if ".experts." in key:
+            init.CopyFrom(new)
+        elif new.raw_data != init.raw_data and numpy_helper.to_array(init).tobytes() != t.numpy().tobytes():
+            return None  # a replicated tensor that differs: this is not the same stage's graph
+    return m
+
+
+def check_mesh_target(target: str) -> None:
+    from k3compile.targets import resolve
+
+    if resolve(target).gpu:
+        raise ExportError(f"--mesh with target {target!r}: the runtime's collectives here are gloo on CPU processes; "
+                          "GPU ranks need their device's collective backend, which no driver here offers (use llvm)")
+
+
+def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,
+                   experts: str = "auto", activations: str = "none", opset: int = 27, overwrite: bool = False,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Build OUT for `mesh` from SOURCE (a preset, config.json or checkpoint folder); returns the manifest."""
+    import tvm
+    from safetensors.numpy import save_file
+    from tvm import relax
+
+    from k3compile.compile import build_proto, check_target
+    from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
+    from k3compile.frontend import to_relax
+    from k3compile.ops import register_tvm_references
+    from k3compile.source import record
+    from k3compile.targets import resolve
+
+    step = progress or (lambda msg: None)
+    check_target(target)
+    check_mesh_target(target)
+    register_tvm_references()  # the VM resolves every extern a graph calls (k3.all_reduce) when it is created
+    check_format(opset, activations)
+    rec = record(source, seed, experts)
+    t0 = time.perf_counter()
+    src = RankSource(source, seed, experts)
+    cfg = src.rank_config()
+    plan = make_plan(cfg, mesh)
+    forms = Forms.exported(ACTIVATIONS[activations])
+    builds: dict[str, tuple] = {}  # structure key -> (rank built, executable, weight names)
+    traced: dict[tuple, object] = {}  # (stage, slice size) -> a traced graph of that shape
+    ranks = []
+    sliced = mesh.ep > 1
+    try:
+        with ArtifactWriter(out, overwrite, source_paths(rec)) as w:
+            files: dict[str, str] = {}
+            for p in plan.ranks():
+                tag = f"rank {p.rank}/{mesh.size}"
+                step(f"{tag}: reading its tensors")
+                state = src.state(cfg, p, plan)
+                inputs, outputs = rank_io(cfg, p, sliced)
+                shape_key = (p.stage, p.experts[1] - p.experts[0])
+                proto = swap_weights(traced[shape_key], state) if shape_key in traced else None
+                if proto is None:
+                    model = rank_model(cfg, state, p, sliced)
+                    sample, shapes = rank_sample(cfg, p, sliced)
+                    latent = next((n for n in inputs if n.endswith(".latent")), None)
+                    step(f"{tag}: tracing layers [{p.layers[0]}, {p.layers[1]}), experts [{p.experts[0]}, "
+                         f"{p.experts[1]})")
+                    proto = trace_graph(RankGraph(model, p, forms), sample, shapes, inputs, outputs, opset, latent)
+                    traced[shape_key] = proto
+                    del model
+                del state
+                key = structure_key(proto)
+                if key in builds:
+                    built_by, executable, names = builds[key]
+                    step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
+                    _, _, raw = to_relax(proto, keep_params=True)
+                    vm = relax.VirtualMachine(executable, tvm.cpu())
+                    weights = list(vm["main_transform_params"](list(raw)))
+                else:
+                    _, executable, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
+                        f"{t}: {m}"))
+                    builds[key] = (p.rank, executable, names)
+                    built_by = p.rank
+                folder = w.path / rank_dir(p.rank)
+                folder.mkdir()
+                executable.export_library(str(folder / LIBRARY))
+                save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
+                del weights, proto
+                ranks.append({"rank": p.rank, "replica": p.replica, "stage": p.stage, "shard": p.shard,
+                              "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
+                              "outputs": outputs, "params": names, "built_with": built_by,
+                              "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}",
+                              "schedule": plan.schedule(p.rank, cfg)})
+            cfg.save(w.path / CONFIG_FILE)
+            for f in sorted(w.path.rglob("*")):
+                if f.is_file():
+                    files[f.relative_to(w.path).as_posix()] = sha256_file(f)
+            manifest = {
+                "k3compile": __version__, "kind": KIND, "target": target, "tvm_target": resolve(target).describe(),
+                "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
+                "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
+                "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
+                "build_s": round(time.perf_counter() - t0, 3), "files": files,
+            }
+            write_json(w.path / MANIFEST, manifest)
+            step("renaming into place")
+            w.commit()
+    except ArtifactError as e:
+        raise ExportError(str(e)) from None
+    except OSError as e:
+        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
+    return manifest
+
+
+# ---- reading ------------------------------------------------------------------------------------------------------
+
+def is_sharded(folder: str | Path) -> bool:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return False
+    try:
+        import json
+
+        return json.loads(path.read_text()).get("kind") == KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_sharded(folder: str | Path, rank: int | None = None) -> tuple[dict, K3Config, ShardPlan]:
+    """The manifest of a sharded OUT, checked: its fields, the plan against the config, and the sha256 of every file
+    (with `rank`, of config.json and that rank's files only: what a worker loads)."""
+    from k3compile.config import ConfigError, read_config
+
+    folder = Path(folder)
+    doc = read_json(folder / MANIFEST, f"{folder}: not a sharded artifact (no {MANIFEST}; run `k3compile export "
+                                       "--mesh`)")
+
+    def bad(why: str) -> ExportError:
+        return ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest ({why}; build it again)")
+
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise bad("wrong kind")
+    files, ranks = doc.get("files"), doc.get("ranks")
+    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                            and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items())):
+        raise bad("files")
+    if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
+        raise bad("a file outside the folder")
+    if CONFIG_FILE not in files:
+        raise bad("no config.json")
+    _check_files(folder, files, [CONFIG_FILE])
+    try:
+        cfg = read_config(folder / CONFIG_FILE)
+        plan = ShardPlan.from_record(doc.get("plan"), cfg)
+    except (ConfigError, PlanError) as e:
+        raise ExportError(f"{folder}: {e}") from None
+    if not (isinstance(ranks, list) and len(ranks) == plan.mesh.size and all(isinstance(r, dict) for r in ranks)):
+        raise bad("ranks")
+    for p, entry in zip(plan.ranks(), ranks):
+        inputs, outputs = rank_io(cfg, p, plan.mesh.ep > 1)
+        want = {"rank": p.rank, "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
+                "outputs": outputs, "schedule": plan.schedule(p.rank, cfg),
+                "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}"}
+        if not (_same({k: entry.get(k) for k in want}, want) and isinstance(entry.get("params"), list)
+                and all(isinstance(n, str) for n in entry["params"])):
+            raise bad(f"rank {p.rank}'s entry does not match the plan")
+        if entry["library"] not in files or entry["weights"] not in files:
+            raise bad(f"rank {p.rank}'s files are not listed")
+    own = [name for r, e in enumerate(ranks) if rank is None or r == rank for name in (e["library"], e["weights"])]
+    _check_files(folder, files, [n for n in files if n != CONFIG_FILE] if rank is None else own)
+    return doc, cfg, plan
+
+
+def _same(a, b) -> bool:
+    """Equal as JSON (true is not 1 here, as it is to Python's ==)."""
+    import json
+
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _check_files(folder: Path, files: dict[str, str], names: list[str]) -> None:
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise ExportError(f"{path}: missing (listed in {MANIFEST})")
+        if sha256_file(path) != files[name]:
+            raise ExportError(f"{path}: its sha256 differs from {MANIFEST}'s (changed or corrupt; build it again)")

@@ -1,0 +1,105 @@
+"""`k3compile run`: start one worker per rank on this machine with torchrun's elastic launcher and gather what they
+decoded (docs/architecture.md, "Sharding and the runtime").
+
+The whole artifact is checked first (every file's sha256, the plan against the config): a damaged one is refused
+before any process starts. The launcher's agent watches the workers: when one fails (an error, a kill, a timeout in
+a collective), it stops the others and the run ends with one line naming the rank. `summarize` turns the ranks'
+results into the tokens per prompt, the decode speed and each rank's bytes per collective next to the plan's.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import uuid
+from pathlib import Path
+
+from k3compile.runtime.worker import Options, RuntimeFault, decode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def default_threads(world: int) -> int:
+    from k3compile.threads import available_cores
+
+    return max(1, available_cores() // world)
+
+
+def run(folder: str | Path, options: Options, log_dir: str | Path | None = None) -> dict:
+    """Decode with every rank of OUT's mesh as a process of this machine; returns summarize()'s document."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from k3compile.generate import check_request
+    from k3compile.partition import read_sharded
+
+    folder = Path(folder)
+    _, cfg, plan = read_sharded(folder)
+    check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
+    if len(options.prompts) < plan.mesh.dp:
+        raise RuntimeFault(f"dp={plan.mesh.dp} needs a batch of at least {plan.mesh.dp} prompts")
+    if options.threads is None:
+        options.threads = default_threads(plan.mesh.size)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.mesh.size, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the agent logs each failure at length; the one line below says it
+    try:
+        out = elastic_launch(config, decode)(str(folder.resolve()), options)
+    except ChildFailedError as e:
+        raise RuntimeFault(failure_line(e)) from None
+    finally:
+        quiet.setLevel(level)
+    return summarize(folder, out[0]["results"])
+
+
+def failure_line(e) -> str:
+    """The first failed rank and why, from the agent's report."""
+    rank, f = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+    if f.exitcode < 0:
+        try:
+            why = f"killed by {signal.Signals(-f.exitcode).name}"
+        except ValueError:
+            why = f"killed by signal {-f.exitcode}"
+    else:
+        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
+        msg = str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
+        why = msg.split(": ", 1)[1] if msg.startswith(("RuntimeFault: ", "RuntimeError: ", "DistBackendError: ")) \
+            else (msg or f"exit code {f.exitcode}")
+    return f"rank {rank} failed: {why}"[:400] + " (the other ranks were stopped)"
+
+
+def summarize(folder: str | Path, results: list[dict]) -> dict:
+    """Tokens per prompt (from each replica's token source), decode speed, and bytes per decode step and per decode
+    token of every rank and collective, next to the plan's prediction (sharding/cost.py)."""
+    from k3compile.partition import read_sharded
+    from k3compile.sharding.cost import step_bytes
+
+    doc, cfg, plan = read_sharded(folder, rank=0)
+    tokens: list[list[int]] = []
+    decode_s = 0.0
+    decode_tokens = 0
+    for d in range(plan.mesh.dp):
+        src = results[plan.token_source(d)]
+        tokens += src["tokens"]
+        decode_s = max(decode_s, src["decode_s"])
+        decode_tokens += src["decode_steps"] * (src["rows"][1] - src["rows"][0])
+    ranks = []
+    for r in results:
+        rows = r["rows"][1] - r["rows"][0]
+        steps = max(r["decode_steps"], 1)
+        measured = {op: r["bytes_decode"].get(op, 0) / steps for op in ("all_reduce", "send", "broadcast")}
+        predicted = step_bytes(cfg, plan, r["rank"], rows)
+        ranks.append({"rank": r["rank"], "rows": rows, "decode_steps": r["decode_steps"],
+                      "bytes_per_step": measured, "bytes_per_token": {k: v / rows for k, v in measured.items()},
+                      "predicted_bytes_per_step": predicted})
+    return {"mesh": doc["plan"]["mesh"], "tokens": tokens, "decode_s": decode_s,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+            "prefill_s": max(r["prefill_s"] for r in results), "ranks": ranks}

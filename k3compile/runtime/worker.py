@@ -1,0 +1,296 @@
+"""One rank of distributed decode (docs/architecture.md, "Sharding and the runtime").
+
+A worker is one process of a torch.distributed world (gloo on CPU), started by torchrun's elastic launcher: by
+`k3compile run` on one machine (runtime/launch.py), or by `torchrun ... -m k3compile.runtime.worker OUT ...` on
+each of several machines. It checks its own files against the manifest (partition.read_sharded), loads its library
+and weight shard into the Relax VM, and runs its step schedule for every token:
+
+    recv the carry from the previous stage -> run its layers (each MoE layer's latent partial sum all-reduced over
+    its expert-parallel group, inside the graph: ops/collectives.py) -> send the carry on -> the new tokens are
+    broadcast from the last stage to every rank of the replica.
+
+Tensors cross between TVM and torch by DLPack (no copies). Every collective checks its place in the schedule and
+counts the payload bytes it hands over (`Stats`), which `run --stats` prints beside the plan's prediction. A peer
+that dies or a collective that waits past `timeout` raises here; the launcher then ends every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3compile.errors import UserError
+
+DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a peer
+
+
+class RuntimeFault(UserError):
+    """A rank that cannot go on: a missing peer, a timeout, a collective out of schedule."""
+
+
+@dataclass
+class Stats:
+    """Payload bytes this rank handed to each collective, in prefill and in decode, and the decode steps."""
+
+    prefill: Counter = field(default_factory=Counter)
+    decode: Counter = field(default_factory=Counter)
+    decode_steps: int = 0
+    counting: str = "prefill"
+
+    def add(self, op: str, nbytes: int) -> None:
+        (self.decode if self.counting == "decode" else self.prefill)[op] += nbytes
+
+
+@dataclass
+class Options:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    threads: int | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    states_dir: str | None = None  # each rank writes its layers' final decode state here (states.rank<r>.npz)
+    progress: bool = False  # rank 0 reports each step on stderr
+
+
+class Rank:
+    """This process's rank: its plan, library, weights and process groups."""
+
+    def __init__(self, folder: Path, rank: int, world: int, options: Options) -> None:
+        import torch.distributed as dist
+
+        from k3compile.partition import read_sharded
+
+        self.doc, self.cfg, self.plan = read_sharded(folder, rank)
+        if world != self.plan.mesh.size:
+            raise RuntimeFault(f"rank {rank}: the world has {world} processes, the mesh {self.plan.mesh} needs "
+                               f"{self.plan.mesh.size}")
+        self.p = self.plan.rank(rank)
+        self.entry = self.doc["ranks"][rank]
+        self.schedule = self.entry["schedule"]
+        self.stats = Stats()
+        mesh = self.plan.mesh
+        # every rank creates every group, in one order (torch.distributed's rule)
+        self.ep_group = self.replica = None
+        for d in range(mesh.dp):
+            for s in range(mesh.pp):
+                g = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)])
+                if (d, s) == (self.p.replica, self.p.stage):
+                    self.ep_group = g
+            g = dist.new_group(self.plan.replica_group(d))
+            if d == self.p.replica:
+                self.replica = g
+        self._load(folder)
+
+    def _load(self, folder: Path) -> None:
+        import tvm
+        from tvm import relax
+
+        from k3compile.backends.tvm import _load_library, read_weights
+        from k3compile.ops import register_tvm_references
+
+        register_tvm_references()
+        self.device = tvm.cpu()
+        self.vm = relax.VirtualMachine(_load_library(folder / self.entry["library"]), self.device)
+        self.params = read_weights(folder / self.entry["weights"], self.entry["params"], self.device)
+
+    # ---- the collectives, each checked against the schedule and counted -------------------------------------------
+    def expect_reduces(self) -> None:
+        run = next(s for s in self.schedule if s["op"] == "run")
+        self._reduces = [c["tag"] for c in run["collectives"]]
+
+    def all_reduce(self, t, tag: int) -> None:
+        import torch.distributed as dist
+
+        if not self._reduces or self._reduces[0] != tag:
+            raise RuntimeFault(f"rank {self.p.rank}: all-reduce of layer {tag} is not next in its schedule "
+                               f"({self._reduces[:1] or 'none left'})")
+        self._reduces.pop(0)
+        self.stats.add("all_reduce", t.numel() * t.element_size())
+        dist.all_reduce(t, group=self.ep_group)
+
+    def send(self, tensors, to: int) -> None:
+        import torch.distributed as dist
+
+        for t in tensors:
+            self.stats.add("send", t.numel() * t.element_size())
+            dist.send(t.contiguous(), dst=to)
+
+    def recv(self, shapes, src: int):
+        import torch
+        import torch.distributed as dist
+
+        out = [torch.empty(s, dtype=torch.float32) for s in shapes]
+        for t in out:
+            dist.recv(t, src=src)
+        return out
+
+    def broadcast(self, t, src: int) -> None:
+        import torch.distributed as dist
+
+        if self.p.rank == src:
+            self.stats.add("broadcast", t.numel() * t.element_size())
+        dist.broadcast(t, src=src, group=self.replica)
+
+    # ---- one step of the schedule ---------------------------------------------------------------------------------
+    def step(self, ids, mask, past: list, pick):
+        """One token's step for this rank's replica: returns (next tokens [B], present)."""
+        import torch
+
+        b, t = ids.shape
+        feeds = []
+        for s in self.schedule:
+            if s["op"] == "recv":
+                feeds = self.recv([(b, t, self.cfg.hidden_size)] * len(s["tensors"]), s["from"])
+        if self.p.first:
+            feeds = [ids]
+        feeds = [*feeds, mask, *past]
+        if self.plan.mesh.ep > 1:
+            feeds.append(torch.tensor(self.p.experts[0], dtype=torch.int64))
+        self.expect_reduces()
+        outs = self.vm["main"](*(_tvm(x) for x in feeds), *self.params)
+        outs = [torch.from_dlpack(o) for o in outs]
+        if self._reduces:
+            raise RuntimeFault(f"rank {self.p.rank}: the library skipped the all-reduces of layers {self._reduces}")
+        head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
+        nxt = torch.empty(b, dtype=torch.int64)
+        for s in self.schedule:
+            if s["op"] == "send":
+                self.send(outs[:head], s["to"])
+            elif s["op"] == "broadcast":
+                if self.p.rank == s["from"]:
+                    nxt.copy_(pick(outs[0][:, -1]))
+                self.broadcast(nxt, s["from"])
+        return nxt, outs[head:]
+
+
+def _tvm(x):
+    """A TVM view of a torch tensor (DLPack, no copy) when TVM can take it as it is (aligned, not empty)."""
+    import tvm
+
+    x = x.contiguous()
+    if x.numel() and x.data_ptr() % 64 == 0:
+        return tvm.runtime.from_dlpack(x)
+    return tvm.runtime.tensor(x.numpy(), tvm.cpu())
+
+
+def decode(folder: str | Path, options: Options) -> dict:
+    """The worker's whole run (called in each process of the world): returns this rank's result. An error is
+    recorded for the launcher (torch elastic's error file), which names the rank."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_decode)(folder, options)
+
+
+def _decode(folder: str | Path, options: Options) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from k3compile.generate import check_request, left_pad, pick_next
+    from k3compile.interface import init_past
+    from k3compile.ops.collectives import set_reducer
+    from k3compile.sharding.cost import replica_rows
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if options.threads:
+        os.environ["TVM_NUM_THREADS"] = str(options.threads)  # read when TVM's thread pool starts (Rank._load)
+        torch.set_num_threads(options.threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=options.timeout))
+    try:
+        me = Rank(Path(folder), rank, world, options)
+        cfg, p = me.cfg, me.p
+        if options.progress:
+            print(f"rank {rank} (pid {os.getpid()}, {socket.gethostname()}): layers [{p.layers[0]}, {p.layers[1]}), "
+                  f"experts [{p.experts[0]}, {p.experts[1]})", file=sys.stderr, flush=True)
+        check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
+        lo, hi = replica_rows(len(options.prompts), me.plan.mesh.dp)[p.replica]
+        prompts = options.prompts[lo:hi]
+        if not prompts:
+            raise RuntimeFault(f"dp={me.plan.mesh.dp} needs a batch of at least {me.plan.mesh.dp} prompts")
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        ids, mask = left_pad(prompts, pad)
+        past = [t for state in init_past(cfg, len(prompts))[slice(*p.layers)] for t in state]
+        gen = torch.Generator().manual_seed(options.seed)
+        out: list[list[int]] = [[] for _ in prompts]
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        set_reducer(me.all_reduce)
+        t0 = time.perf_counter()
+        prefill_s = 0.0
+        for step in range(options.max_new_tokens):
+            me.stats.counting = "prefill" if step == 0 else "decode"
+
+            def pick(logits, step=step):
+                if not bool(torch.isfinite(logits).all()):
+                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {step}; check the weights")
+                return pick_next(logits, options.temperature, options.top_p, gen)
+
+            nxt, past = me.step(ids, mask, past, pick)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            for i in range(len(prompts)):
+                if not done[i]:
+                    out[i].append(int(nxt[i]))
+            if cfg.eos_token_id is not None:
+                done |= nxt == cfg.eos_token_id
+            if step == 0:
+                prefill_s = time.perf_counter() - t0
+            else:
+                me.stats.decode_steps += 1
+            if options.progress and rank == 0:
+                print(f"step {step + 1}/{options.max_new_tokens}", file=sys.stderr, flush=True)
+            if bool(done.all()):
+                break
+            ids = nxt.unsqueeze(-1)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+        decode_s = time.perf_counter() - t0 - prefill_s
+        set_reducer(None)
+        if options.states_dir:
+            import numpy as np
+
+            names = [n for n in me.entry["inputs"] if n.startswith("past.")]
+            np.savez(Path(options.states_dir) / f"states.rank{rank}.npz",
+                     **{n: t.numpy() for n, t in zip(names, past)})
+        result = {"rank": rank, "replica": p.replica, "rows": [lo, hi], "tokens": out,
+                  "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": me.stats.decode_steps,
+                  "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
+        results = [None] * world
+        dist.all_gather_object(results, result)  # after decode: not counted
+        return {"rank": rank, "results": results}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`torchrun ... -m k3compile.runtime.worker OUT --prompt-ids 1,2,3 [...]`: rank 0 prints the result JSON."""
+    import argparse
+    import json
+
+    from k3compile.runtime.launch import summarize
+
+    ap = argparse.ArgumentParser(prog="k3compile.runtime.worker")
+    ap.add_argument("folder")
+    ap.add_argument("--prompt-ids", action="append", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+    ap.add_argument("--states-dir", default=None)
+    args = ap.parse_args(argv)
+    prompts = [[int(x) for x in p.split(",") if x.strip()] for p in args.prompt_ids]
+    try:
+        res = decode(args.folder, Options(prompts, args.max_new_tokens, threads=args.threads, timeout=args.timeout,
+                                          states_dir=args.states_dir))
+    except UserError as e:
+        print(f"Error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr)
+        sys.exit(1)
+    if res["rank"] == 0:
+        print(json.dumps(summarize(args.folder, res["results"])))
+
+
+if __name__ == "__main__":
+    main()

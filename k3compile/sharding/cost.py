@@ -1,0 +1,177 @@
+"""What a plan costs, from the config alone (docs/architecture.md, "Sharding and the runtime"): memory per device and
+bytes per decode step per collective. Shapes come from a meta-device model (no weights, any size).
+
+Bytes are payload bytes a rank hands to a collective during one decode step (one new token for each of the B rows of
+its replica): an all-reduce counts the tensor each member contributes (a ring moves 2(n-1)/n of it over each link),
+a send its tensors, a broadcast its tensor at the source only. The runtime counts the same way, so its measured
+figures equal these (`k3compile run --stats`). The all-to-all figures are the alternative dispatch mode, which the
+plan prices but the runtime does not run yet: each token's top-k vectors go to the experts' ranks and back,
+latent-width (D_e) or, for comparison, full-width (D).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from k3compile.config import K3Config
+from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_names, even_slices, make_plan
+
+TOKEN_BYTES = 8  # int64 token ids
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Element counts of a config's tensors from a meta model: per layer (dense elements, routed-expert elements
+    that are float, routed-expert bytes that are MXFP4 packed codes and scales), and the embedding and the head (the
+    final norm, the output AttnRes and lm_head; a tied head counts the embedding again)."""
+
+    layers: tuple[tuple[int, int, int], ...]
+    embed: int
+    head: int
+
+    @classmethod
+    def of(cls, cfg: K3Config) -> Sizes:
+        import torch
+
+        from k3compile.model.k3 import K3ForCausalLM
+
+        with torch.device("meta"):
+            model = K3ForCausalLM(cfg)
+        layers = [[0, 0, 0] for _ in range(cfg.num_hidden_layers)]
+        embed = head = 0
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+            m = _LAYER.match(name)
+            if m:
+                row = layers[int(m.group(1))]
+                row[2 if ".experts." in name and t.element_size() == 1 else 1 if ".experts." in name else 0] += \
+                    t.numel()
+            elif "embed_tokens" in name:
+                embed += t.numel()
+            else:
+                head += t.numel()
+        return cls(tuple(map(tuple, layers)), embed, head)
+
+
+def rank_weights(cfg: K3Config, sizes: Sizes, p: RankPlan, dtype_bytes: int) -> dict[str, int]:
+    """Weight bytes a rank holds by format: dense (attention, router, shared experts, norms, embedding / head) at
+    `dtype_bytes` per element, routed experts as stored (MXFP4: packed bytes + E8M0 scales; float: dtype_bytes)."""
+    share = (p.experts[1] - p.experts[0]) / cfg.num_experts if cfg.num_experts else 0.0
+    rows = sizes.layers[p.layers[0]:p.layers[1]]
+    dense = sum(r[0] for r in rows) + (sizes.embed if p.first else 0) + (sizes.head if p.last else 0)
+    out = {"dense": dense * dtype_bytes}
+    if cfg.expert_format == "mxfp4":
+        out["experts_mxfp4"] = round(sum(r[2] for r in rows) * share)
+    else:
+        out["experts_float"] = round(sum(r[1] for r in rows) * share) * dtype_bytes
+    return out
+
+
+def rank_state(cfg: K3Config, p: RankPlan, batch: int, context: int, dtype_bytes: int) -> dict[str, int]:
+    """Decode state of a rank's layers for `batch` rows of `context` tokens: KDA conv windows (dtype) and recurrent
+    states (fp32 always), MLA latent cache (kv_lora_rank + rope per token, dtype)."""
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    kda = mla = 0
+    for i in range(*p.layers):
+        if cfg.is_mla(i):
+            mla += batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+        else:
+            kda += batch * (3 * hk * (cfg.conv_kernel_size - 1) * dtype_bytes
+                            + cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4)
+    return {"kda_state": kda, "mla_cache": mla}
+
+
+def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -> int:
+    """Live activations of one decode step (an estimate, not a measurement): the carry (residual + AttnRes bank) in
+    and out, the widest layer intermediate (dense MLP, or top-k routed experts' 2I plus the shared experts'), and on
+    the last stage the fp32 logits."""
+    d = cfg.hidden_size
+    carry = (len(carry_names(cfg, p.layers[1])) + 1) * d
+    widest = max(cfg.intermediate_size, cfg.num_experts_per_token * 2 * cfg.moe_intermediate_size
+                 + 2 * cfg.num_shared_experts * cfg.moe_intermediate_size)
+    return batch * ((carry + 2 * widest) * dtype_bytes + (cfg.vocab_size * 4 if p.last else 0))
+
+
+def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4) -> dict[str, int]:
+    """Payload bytes rank `rank` sends in one decode step of its replica's `batch` rows, by collective (the schedule's
+    all_reduce / send / broadcast); `dtype_bytes` is the activations' element size (4: the runtime's fp32)."""
+    out = {"all_reduce": 0, "send": 0, "broadcast": 0}
+    for step in plan.schedule(rank, cfg):
+        if step["op"] == "run":
+            out["all_reduce"] += len(step["collectives"]) * batch * cfg.latent_size * dtype_bytes
+        elif step["op"] == "send":
+            out["send"] += len(step["tensors"]) * batch * cfg.hidden_size * dtype_bytes
+        elif step["op"] == "broadcast" and step["from"] == rank:
+            out["broadcast"] += batch * TOKEN_BYTES
+    return out
+
+
+def dispatch_bytes_per_token(cfg: K3Config, plan: ShardPlan, dtype_bytes: int, width: int) -> float:
+    """All-to-all dispatch + combine bytes per token over the mesh, for vectors of `width`: each MoE layer sends a
+    token's top-k vectors to the ranks holding those experts and back; (ep - 1) / ep of them leave the rank under
+    uniform routing (static buffers with capacity factor 1 carry exactly that)."""
+    ep = plan.mesh.ep
+    return 2 * len(plan.moe_layers) * cfg.num_experts_per_token * width * dtype_bytes * (ep - 1) / ep
+
+
+def replica_rows(batch: int, dp: int) -> list[tuple[int, int]]:
+    """The batch rows each data-parallel replica decodes (contiguous, as even as the count allows)."""
+    return even_slices(batch, dp)
+
+
+def candidate_meshes(cfg: K3Config, devices: int) -> list[Mesh]:
+    """Every (ep, pp, dp) with ep · pp · dp = devices that make_plan accepts, the widest expert parallelism first."""
+    out = []
+    for ep in range(devices, 0, -1):
+        if devices % ep:
+            continue
+        for pp in range(1, devices // ep + 1):
+            if (devices // ep) % pp:
+                continue
+            mesh = Mesh(ep, pp, devices // (ep * pp))
+            try:
+                make_plan(cfg, mesh)
+            except PlanError:
+                continue
+            out.append(mesh)
+    return out
+
+
+def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
+             device_memory: int) -> dict:
+    """One mesh's row of `k3compile plan`: the fullest device's memory by kind, whether it fits, and the bytes per
+    decode token by collective summed over the mesh (with the all-to-all dispatch alternative, latent and full
+    width). `batch` is the whole batch, split over dp replicas."""
+    plan = make_plan(cfg, mesh)
+    w = DTYPE_BYTES[dtype]
+    rows = replica_rows(batch, mesh.dp)
+    worst: dict | None = None
+    seen: dict[tuple, dict] = {}
+    total = {"all_reduce": 0, "send": 0, "broadcast": 0}
+    for p in plan.ranks():
+        b = rows[p.replica][1] - rows[p.replica][0]
+        key = (p.layers, p.experts, b)
+        if key not in seen:
+            mem = {**rank_weights(cfg, sizes, p, w), **rank_state(cfg, p, b, context, w),
+                   "activations": rank_activations(cfg, p, b, w)}
+            seen[key] = {"rank": p.rank, "bytes": mem, "total": sum(mem.values())}
+        if worst is None or seen[key]["total"] > worst["total"]:
+            worst = seen[key]
+        for k, v in step_bytes(cfg, plan, p.rank, b, w).items():
+            total[k] += v
+    assert worst is not None
+    return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
+            "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
+            "fits": worst["total"] <= device_memory,
+            "bytes_per_token": {k: v / batch for k, v in total.items()},
+            "all_to_all_per_token": {"latent": dispatch_bytes_per_token(cfg, plan, w, cfg.latent_size),
+                                     "full_width": dispatch_bytes_per_token(cfg, plan, w, cfg.hidden_size)}}
+
+
+def does_not_fit(row: dict, device_memory: int) -> str:
+    """The sentence naming what does not fit on the fullest device of a row."""
+    parts = ", ".join(f"{k} {v / 2**30:,.1f}" for k, v in row["device_bytes"].items() if v)
+    return (f"mesh {row['mesh']}: rank {row['fullest_rank']} needs {row['device_total'] / 2**30:,.1f} GiB ({parts} "
+            f"GiB), more than the {device_memory / 2**30:,.1f} GiB of a device")

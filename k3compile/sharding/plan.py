@@ -1,0 +1,187 @@
+"""The device mesh and the declarative shard plan (docs/architecture.md, "Sharding and the runtime").
+
+A `Mesh` has three degrees: data parallel (dp: replicas, each decoding its own rows of the batch), pipeline parallel
+(pp: stages, each a contiguous range of layers) and expert parallel (ep: ranks of a stage, each holding a contiguous
+slice of every MoE layer's routed experts and a replica of everything else). Rank r = (d · pp + s) · ep + e.
+
+`make_plan(cfg, mesh)` places every layer and expert: stage cuts balanced by layer count and moved onto Block
+AttnRes block edges where that keeps every stage non-empty; expert slices as even as the count allows (8 experts on
+3 ranks: 3, 3, 2). A stage boundary carries the residual stream and, with Block AttnRes, the bank of closed blocks'
+summaries (`carry_names`). `schedule(rank)` is a rank's step: receive the carry, run its layers (one all-reduce of
+the latent partial sum per MoE layer when ep > 1), send the carry on, then the new tokens are broadcast from the last
+stage. The plan imports neither TVM nor the weights; the manifest stores it (`as_record` / `from_record`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from k3compile.config import K3Config
+from k3compile.errors import UserError
+
+
+class PlanError(UserError):
+    """A mesh the model cannot be split over, or a malformed mesh or plan."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """"ep=4,pp=2" (any order, each at most once, missing ones 1)."""
+        degrees: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            m = re.fullmatch(r"(ep|pp|dp)\s*=\s*(\d+)", part)
+            if not m or m.group(1) in degrees:
+                raise PlanError(f"--mesh {text!r}: expected degrees like ep=4,pp=2 (ep, pp, dp; each once)")
+            degrees[m.group(1)] = int(m.group(2))
+        mesh = cls(**degrees)
+        if min(mesh.ep, mesh.pp, mesh.dp) < 1:
+            raise PlanError(f"--mesh {text!r}: every degree must be at least 1")
+        return mesh
+
+    @property
+    def size(self) -> int:
+        return self.ep * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """rank -> (d, s, e)."""
+        return rank // (self.pp * self.ep), rank // self.ep % self.pp, rank % self.ep
+
+    def rank(self, d: int, s: int, e: int) -> int:
+        return (d * self.pp + s) * self.ep + e
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in (("ep", self.ep), ("pp", self.pp), ("dp", self.dp)) if v > 1) or "ep=1"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    replica: int  # d
+    stage: int  # s
+    shard: int  # e: the index within the stage's expert-parallel group
+    layers: tuple[int, int]
+    experts: tuple[int, int]  # the routed-expert slice of every MoE layer of the stage
+    first: bool  # holds the embedding (stage 0)
+    last: bool  # holds the final norm and the head (the last stage)
+
+
+def even_slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) in `parts` contiguous slices, the first n % parts one longer."""
+    q, r = divmod(n, parts)
+    out, a = [], 0
+    for i in range(parts):
+        b = a + q + (1 if i < r else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def stage_cuts(cfg: K3Config, pp: int) -> list[int]:
+    """Layer boundaries [0, c1, ..., L]: balanced by layer count, each moved to the nearest AttnRes block edge when
+    that edge lies within a quarter stage (at least one layer) of the balanced cut and keeps the stages non-empty."""
+    n, block = cfg.num_hidden_layers, cfg.attn_res_block_size
+    slack = max(1.0, n / pp / 4)
+    cuts = [0]
+    for s in range(1, pp):
+        exact = n * s / pp
+        c = round(exact)
+        if block:
+            edges = sorted({block * math.floor(exact / block), block * math.ceil(exact / block)},
+                           key=lambda x: (abs(x - exact), x))
+            c = next((x for x in edges if abs(x - exact) <= slack and cuts[-1] < x <= n - (pp - s)), c)
+        cuts.append(min(max(c, cuts[-1] + 1), n - (pp - s)))
+    cuts.append(n)
+    return cuts
+
+
+def carry_names(cfg: K3Config, layer: int) -> list[str]:
+    """The tensors entering layer `layer` from the previous stage, each [B, T, D]: the residual stream and, with
+    Block AttnRes, the summaries of the blocks closed before it (the embedding first)."""
+    bank = -(-layer // cfg.attn_res_block_size) if cfg.attn_res_block_size else 0
+    return ["hidden", *(f"bank.{i}" for i in range(bank))]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    mesh: Mesh
+    cuts: tuple[int, ...]
+    slices: tuple[tuple[int, int], ...]
+    moe_layers: tuple[int, ...]
+
+    def rank(self, r: int) -> RankPlan:
+        if not 0 <= r < self.mesh.size:
+            raise PlanError(f"rank {r} is outside the mesh {self.mesh} ({self.mesh.size} ranks)")
+        d, s, e = self.mesh.coords(r)
+        return RankPlan(r, d, s, e, (self.cuts[s], self.cuts[s + 1]), self.slices[e], s == 0,
+                        s == self.mesh.pp - 1)
+
+    def ranks(self) -> list[RankPlan]:
+        return [self.rank(r) for r in range(self.mesh.size)]
+
+    def ep_group(self, r: int) -> list[int]:
+        d, s, _ = self.mesh.coords(r)
+        return [self.mesh.rank(d, s, e) for e in range(self.mesh.ep)]
+
+    def replica_group(self, d: int) -> list[int]:
+        return [self.mesh.rank(d, s, e) for s in range(self.mesh.pp) for e in range(self.mesh.ep)]
+
+    def token_source(self, d: int) -> int:
+        """The rank that picks replica d's next tokens (the last stage's first shard) and broadcasts them."""
+        return self.mesh.rank(d, self.mesh.pp - 1, 0)
+
+    def schedule(self, r: int, cfg: K3Config) -> list[dict]:
+        """Rank r's decode step, in order: recv / run (with its all-reduces) / send / broadcast."""
+        p, mesh = self.rank(r), self.mesh
+        steps: list[dict] = []
+        if not p.first:
+            steps.append({"op": "recv", "from": mesh.rank(p.replica, p.stage - 1, p.shard),
+                          "tensors": carry_names(cfg, p.layers[0])})
+        a, b = p.layers
+        reduces = [{"op": "all_reduce", "tag": i, "group": self.ep_group(r), "shape": ["tokens", cfg.latent_size],
+                    "dtype": "float32"} for i in self.moe_layers if a <= i < b] if mesh.ep > 1 else []
+        steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": reduces})
+        if not p.last:
+            steps.append({"op": "send", "to": mesh.rank(p.replica, p.stage + 1, p.shard),
+                          "tensors": carry_names(cfg, b)})
+        steps.append({"op": "broadcast", "from": self.token_source(p.replica), "group": self.replica_group(p.replica),
+                      "tensors": ["tokens"]})
+        return steps
+
+    def as_record(self) -> dict:
+        return {"mesh": {"ep": self.mesh.ep, "pp": self.mesh.pp, "dp": self.mesh.dp}, "cuts": list(self.cuts),
+                "expert_slices": [list(s) for s in self.slices], "moe_layers": list(self.moe_layers)}
+
+    @classmethod
+    def from_record(cls, doc, cfg: K3Config) -> ShardPlan:
+        """The plan a manifest records, checked to be the one make_plan gives for its mesh and this config."""
+        try:
+            plan = make_plan(cfg, Mesh(**doc["mesh"]))
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"the recorded plan is malformed ({e})") from None
+        if json.dumps(plan.as_record(), sort_keys=True) != json.dumps(doc, sort_keys=True):  # true is not 1 here
+            raise PlanError("the recorded plan is not the plan of its mesh for this config (edited?)")
+        return plan
+
+
+def make_plan(cfg: K3Config, mesh: Mesh) -> ShardPlan:
+    """The plan of `mesh` for `cfg`, or a PlanError naming what cannot be split."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (mesh.ep, mesh.pp, mesh.dp)):
+        raise PlanError(f"mesh {mesh}: every degree must be an integer >= 1")
+    moe = tuple(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
+    if mesh.ep > 1 and not moe:
+        raise PlanError(f"mesh {mesh}: {cfg.name} has no MoE layer, so there are no experts to split over ep")
+    if mesh.ep > cfg.num_experts:
+        raise PlanError(f"mesh {mesh}: {cfg.num_experts} experts cannot be split over ep={mesh.ep} ranks (a rank "
+                        "would hold none)")
+    if mesh.pp > cfg.num_hidden_layers:
+        raise PlanError(f"mesh {mesh}: {cfg.num_hidden_layers} layers cannot be split into pp={mesh.pp} stages")
+    return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.ep)), moe)

@@ -1,0 +1,225 @@
+"""The mesh, the shard plan and its cost (k3compile/sharding/), the sliced model, the sharded manifest's reader and
+`k3compile plan`: no TVM build here (tests/export/test_sharded.py runs the builds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3compile.interface import ExportError, sha256_file
+from k3compile.presets import preset
+from k3compile.sharding import Mesh, PlanError, ShardPlan, carry_names, make_plan
+from k3compile.sharding.cost import Sizes, evaluate, rank_weights
+from k3compile.sharding.plan import even_slices, stage_cuts
+
+
+def test_mesh_parse():
+    assert Mesh.parse("ep=4,pp=2") == Mesh(4, 2, 1) and Mesh.parse(" pp=3 ") == Mesh(1, 3, 1)
+    assert Mesh.parse("dp=2,ep=2").size == 4 and str(Mesh.parse("pp=2,ep=2")) == "ep=2,pp=2"
+    for bad in ("ep=0", "ep=2,ep=3", "tp=2", "ep=two", "ep"):
+        with pytest.raises(PlanError):
+            Mesh.parse(bad)
+
+
+def test_ranks_are_numbered_replica_stage_shard():
+    mesh = Mesh(ep=3, pp=2, dp=2)
+    assert [mesh.coords(r) for r in (0, 2, 3, 7, 11)] == [(0, 0, 0), (0, 0, 2), (0, 1, 0), (1, 0, 1), (1, 1, 2)]
+    assert all(mesh.rank(*mesh.coords(r)) == r for r in range(mesh.size))
+
+
+def test_expert_slices_are_contiguous_and_as_even_as_possible():
+    assert even_slices(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert even_slices(896, 64) == [(14 * i, 14 * i + 14) for i in range(64)]
+
+
+def test_stage_cuts_sit_on_attnres_block_edges():
+    k3 = preset("k3")  # 93 layers, blocks of 12
+    assert stage_cuts(k3, 8) == [0, 12, 24, 36, 48, 60, 72, 84, 93]
+    assert stage_cuts(preset("k3-tiny"), 2) == [0, 4, 7]  # 3.5 -> the edge 4 (blocks of 2)
+    assert stage_cuts(preset("k3-tiny").replace(attn_res_block_size=None), 3) == [0, 2, 5, 7]  # balanced
+    cuts = stage_cuts(k3, 64)  # more stages than blocks: balanced, every stage non-empty
+    assert len(cuts) == 65 and all(b > a for a, b in zip(cuts, cuts[1:])) and cuts[-1] == 93
+
+
+def test_the_carry_holds_the_closed_blocks():
+    tiny = preset("k3-tiny")  # blocks of 2: layers 0, 2, 4, 6 close a block on entry
+    assert carry_names(tiny, 0) == ["hidden"]
+    assert carry_names(tiny, 4) == ["hidden", "bank.0", "bank.1"]
+    assert carry_names(tiny, 5) == ["hidden", "bank.0", "bank.1", "bank.2"]
+    assert carry_names(tiny.replace(attn_res_block_size=None), 4) == ["hidden"]
+
+
+def test_schedule_of_a_rank():
+    cfg = preset("k3-tiny")
+    plan = make_plan(cfg, Mesh(2, 2))
+    steps = plan.schedule(1, cfg)  # stage 0, shard 1
+    assert [s["op"] for s in steps] == ["run", "send", "broadcast"]
+    assert [c["tag"] for c in steps[0]["collectives"]] == [1, 2, 3] and steps[0]["collectives"][0]["group"] == [0, 1]
+    assert steps[1] == {"op": "send", "to": 3, "tensors": ["hidden", "bank.0", "bank.1"]}
+    assert steps[2]["from"] == 2 and steps[2]["group"] == [0, 1, 2, 3]
+    last = plan.schedule(3, cfg)
+    assert [s["op"] for s in last] == ["recv", "run", "broadcast"] and last[0]["from"] == 1
+    assert make_plan(cfg, Mesh(1, 2)).schedule(0, cfg)[0]["collectives"] == []  # no ep: no all-reduce
+
+
+def test_meshes_that_cannot_split_are_refused():
+    cfg = preset("k3-tiny")
+    for mesh, words in ((Mesh(9), "8 experts"), (Mesh(1, 8), "7 layers"), (Mesh(0), "integer >= 1")):
+        with pytest.raises(PlanError, match=words):
+            make_plan(cfg, mesh)
+    with pytest.raises(PlanError, match="no MoE layer"):
+        make_plan(cfg.replace(num_experts=0, first_k_dense_replace=7), Mesh(2))
+
+
+def test_plan_record_round_trip_and_tamper():
+    cfg = preset("k3-tiny")
+    plan = make_plan(cfg, Mesh(3, 2))
+    assert ShardPlan.from_record(json.loads(json.dumps(plan.as_record())), cfg) == plan
+    doc = plan.as_record()
+    doc["cuts"] = [0, 3, 7]
+    with pytest.raises(PlanError, match="not the plan"):
+        ShardPlan.from_record(doc, cfg)
+    with pytest.raises(PlanError, match="malformed"):
+        ShardPlan.from_record({"mesh": {"ep": 2, "zz": 1}}, cfg)
+
+
+def test_expert_slices_sum_to_the_whole_moe():
+    """The sliced model (partition.rank_model: a rank's tensors only, indices local to the slice) summed over the
+    ranks of ep=3 equals the whole layer's routed sum (before the latent norm, where the runtime all-reduces)."""
+    from k3compile.partition import RankSource, rank_model
+
+    src = RankSource("k3-tiny", 0, "auto")
+    cfg = src.rank_config()
+    plan = make_plan(cfg, Mesh(3))
+    full = src.state(cfg, plan.rank(0), make_plan(cfg, Mesh(1)))
+    from k3compile.checkpoint import assemble
+
+    whole = assemble(cfg, full).model.layers[2].block_sparse_moe
+    x = torch.randn(5, cfg.hidden_size)
+    idx, w = whole.gate(x)
+    want = whole.routed_partial(x, idx, w)
+    parts = []
+    for p in plan.ranks():
+        moe = rank_model(cfg, src.state(cfg, p, plan), p, sliced=True).model.layers[2].block_sparse_moe
+        assert moe.experts.w13_packed.shape[0] == p.experts[1] - p.experts[0]
+        parts.append(moe.routed_partial(x, idx, w))
+    assert all(p.abs().sum() > 0 for p in parts)  # every slice gets tokens at these sizes
+    torch.testing.assert_close(sum(parts), want, rtol=0, atol=1e-6)  # fp32, three partial sums added
+
+
+def test_weights_per_rank_add_up_to_the_published_size():
+    """Stage by stage, the plan's weight bytes (bf16 dense, MXFP4 experts) add up to sizing.py's count of the whole
+    model, and one rank's expert bytes are the published expert size times its slice (written out here)."""
+    from k3compile.sizing import model_size
+
+    k3 = preset("k3")
+    sizes = Sizes.of(k3)
+    plan = make_plan(k3, Mesh(1, 4))
+    assert sum(sum(rank_weights(k3, sizes, p, 2).values()) for p in plan.ranks()) == model_size(k3).bytes
+    p0 = make_plan(k3, Mesh(8, 8)).rank(0)  # layers [0, 12): layer 0 dense, 11 MoE layers; experts [0, 112)
+    per_expert = 3 * 3072 * 3584 * 17 // 32  # W13 and W2: 4-bit codes + one E8M0 byte per 32
+    assert rank_weights(k3, sizes, p0, 2)["experts_mxfp4"] == 11 * 112 * per_expert
+
+
+def test_latent_dispatch_moves_half_the_bytes_of_full_width_on_k3():
+    k3 = preset("k3")
+    row = evaluate(k3, Sizes.of(k3), Mesh(16, 4), batch=4, context=8192, dtype="bf16", device_memory=64 << 30)
+    a2a = row["all_to_all_per_token"]
+    assert a2a["latent"] / a2a["full_width"] == 3584 / 7168
+    # 92 MoE layers x 16 experts per token x 2 (dispatch + combine) x 3584 x 2 bytes x 15/16 leaving the rank
+    assert a2a["latent"] == 92 * 16 * 2 * 3584 * 2 * 15 / 16
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, "-m", "k3compile.cli", "plan", *args], capture_output=True, text=True)
+
+
+def test_plan_cli_table_json_and_refusal():
+    res = _plan("k3", "--devices", "64", "--batch", "4", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert {r["mesh"] for r in doc["meshes"]} >= {"ep=64", "ep=8,pp=8", "pp=64"}
+    assert all(r["all_to_all_per_token"]["latent"] * 2 == r["all_to_all_per_token"]["full_width"]
+               for r in doc["meshes"])
+    assert any(r["fits"] for r in doc["meshes"]) and not all(r["fits"] for r in doc["meshes"])
+    res = _plan("k3", "--devices", "8", "--mesh", "ep=8")
+    assert res.returncode == 1 and res.stdout == "" and res.stderr.count("Error:") == 1
+    assert "rank 0 needs" in res.stderr and "experts_mxfp4" in res.stderr and "64.0 GiB" in res.stderr
+    res = _plan("k3", "--devices", "6", "--mesh", "ep=4")
+    assert res.returncode == 1 and "does not divide 6 devices" in res.stderr
+    table = _plan("k3-tiny", "--devices", "4")
+    assert table.returncode == 0 and "ep=4" in table.stdout and "pp=4" in table.stdout
+
+
+# ---- the sharded manifest's reader, fuzzed -------------------------------------------------------------------------
+
+def _fake_sharded(folder):
+    """A sharded folder whose files are placeholders but whose manifest is what export_sharded writes."""
+    from k3compile.partition import KIND, MANIFEST, rank_dir, rank_io
+
+    cfg = preset("k3-tiny")
+    plan = make_plan(cfg, Mesh(2, 2))
+    cfg.save(folder / "config.json")
+    ranks = []
+    for p in plan.ranks():
+        (folder / rank_dir(p.rank)).mkdir()
+        for name in ("model.so", "weights.safetensors"):
+            (folder / rank_dir(p.rank) / name).write_bytes(f"{p.rank}{name}".encode())
+        inputs, outputs = rank_io(cfg, p, True)
+        ranks.append({"rank": p.rank, "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
+                      "outputs": outputs, "params": ["w"], "library": f"{rank_dir(p.rank)}/model.so",
+                      "weights": f"{rank_dir(p.rank)}/weights.safetensors", "schedule": plan.schedule(p.rank, cfg)})
+    files = {f.relative_to(folder).as_posix(): sha256_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+    doc = {"k3compile": "x", "kind": KIND, "plan": plan.as_record(), "ranks": ranks, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(doc))
+    return doc
+
+
+def test_the_fake_sharded_folder_reads(tmp_path):
+    from k3compile.partition import read_sharded
+
+    doc = _fake_sharded(tmp_path)
+    assert read_sharded(tmp_path)[0] == doc and read_sharded(tmp_path, rank=1)[2].mesh == Mesh(2, 2)
+
+
+def _mutations():
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 10), st.text(max_size=8),
+                     st.lists(st.integers(0, 8), max_size=3))
+    return st.lists(st.tuples(st.lists(st.sampled_from(["plan", "ranks", "files", "mesh", "cuts", "expert_slices",
+                                                        0, 1, 3, "layers", "experts", "schedule", "inputs",
+                                                        "library", "rank", "kind", "ep", "pp"]),
+                                       min_size=1, max_size=4), leaf), min_size=1, max_size=3)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_mutations())
+def test_read_sharded_refuses_edited_manifests_with_one_error(tmp_path_factory, edits):
+    from k3compile.partition import MANIFEST, read_sharded
+
+    folder = tmp_path_factory.mktemp("fuzz")
+    doc = _fake_sharded(folder)
+    changed = json.loads(json.dumps(doc))
+    for path, value in edits:
+        node = changed
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else node[key] if isinstance(node, list) and \
+                isinstance(key, int) and key < len(node) else None
+            if node is None:
+                break
+        last = path[-1]
+        if isinstance(node, dict) and last in node:  # an edit of what is there (unknown keys are ignored)
+            node[last] = value
+        elif isinstance(node, list) and isinstance(last, int) and last < len(node):
+            node[last] = value
+    (folder / MANIFEST).write_text(json.dumps(changed))
+    try:
+        read_sharded(folder)
+    except ExportError:
+        return
+    assert changed == doc  # only an unchanged manifest may read
