@@ -381,56 +381,60 @@ def chart(result: dict, path: str | Path) -> None:
 
 
 def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: int = 32, repeats: int = 3,
-                   progress: Callable[[str], None] | None = None) -> dict:
-    """Distributed decode of SOURCE over each mesh (`k3compile run` on this machine): decode tokens/s (interleaved
-    repetitions, medians, ratio to the first mesh) and bytes per decode token by collective (measured, the same in
-    every repetition). Each rank runs max(1, cores / ranks) threads; with more ranks than cores they share cores,
-    which the figures include."""
+                   progress: Callable[[str], None] | None = None,
+                   dispatches: tuple[str, ...] = ("all_reduce",)) -> dict:
+    """Distributed decode of SOURCE over each mesh (`k3compile run` on this machine), a mesh with ep > 1 once per
+    dispatch: decode tokens/s (interleaved repetitions, medians, ratio to the first) and bytes per decode token by
+    collective (measured; the same in every repetition). Each rank runs max(1, cores / ranks) threads; with more
+    ranks than cores they share cores, which the figures include."""
     import platform
 
     import torch
     import tvm
 
     from k3compile.cache import cached_sharded
+    from k3compile.config import read_config
     from k3compile.runtime.launch import default_threads, run
     from k3compile.runtime.worker import Options
+    from k3compile.sharding import Mesh
     from k3compile.threads import available_cores
 
     step = progress or (lambda msg: None)
-    folders = {m: cached_sharded(source, m, progress=step) for m in meshes}
-    gen = torch.Generator().manual_seed(0)
-    from k3compile.config import read_config
-
+    runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 else ("all_reduce",))]
+    folders = {f"{m} {d}": cached_sharded(source, m, progress=step, dispatch=d) for m, d in runs}
     vocab = read_config(next(iter(folders.values())) / "config.json").vocab_size
+    gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (8,), generator=gen).tolist() for _ in range(batch)]
-    speed: dict[str, list[float]] = {m: [] for m in meshes}
-    runs: dict[str, dict] = {}
+    speed: dict[str, list[float]] = {k: [] for k in folders}
+    last: dict[str, dict] = {}
     for r in range(repeats):
-        for m, folder in folders.items():
-            step(f"repetition {r + 1}/{repeats}: {m}")
+        for key, folder in folders.items():
+            step(f"repetition {r + 1}/{repeats}: {key}")
             res = run(folder, Options(prompts, steps + 1))
-            speed[m].append(res["decode_tokens_per_s"])
-            runs[m] = res
-    first = _median(speed[meshes[0]])
+            speed[key].append(res["decode_tokens_per_s"])
+            last[key] = res
+    first = _median(speed[next(iter(folders))])
     rows = {}
-    for m in meshes:
-        ranks = runs[m]["ranks"]
-        per_token = {op: sum(r["bytes_per_token"][op] for r in ranks) for op in ("all_reduce", "send", "broadcast")}
-        rows[m] = {"ranks": len(ranks), "threads_per_rank": default_threads(len(ranks)),
-                   "decode_tokens_per_s": _median(speed[m]), "samples": speed[m],
-                   "vs_first": _median(speed[m]) / first, "bytes_per_token": per_token,
-                   "bytes_per_token_by_rank": [r["bytes_per_token"] for r in ranks]}
+    for key in folders:
+        ranks = last[key]["ranks"]
+        per_token = {op: sum(r["bytes_per_token"][op] for r in ranks)
+                     for op in ("all_reduce", "all_to_all", "send", "broadcast")}
+        rows[key] = {"ranks": len(ranks), "threads_per_rank": default_threads(len(ranks)),
+                     "decode_tokens_per_s": _median(speed[key]), "samples": speed[key],
+                     "vs_first": _median(speed[key]) / first, "bytes_per_token": per_token,
+                     "bytes_per_token_by_rank": [r["bytes_per_token"] for r in ranks]}
     return {"source": source, "batch": batch, "decode_steps": steps, "repeats": repeats,
             "machine": {"platform": platform.platform(), "cores": available_cores()},
             "versions": {"torch": torch.__version__, "tvm": tvm.__version__}, "meshes": rows}
 
 
 def mesh_table(result: dict) -> str:
-    """The README table of run_mesh_bench."""
-    lines = ["| mesh | ranks x threads | decode tok/s (vs first) | all-reduce B/token | send B/token | "
-             "broadcast B/token |", "|---|---|---|---|---|---|"]
-    for m, r in result["meshes"].items():
+    """The README table of run_mesh_bench: bytes per decode token summed over the ranks."""
+    lines = ["| mesh, dispatch | ranks x threads | decode tok/s (vs first) | all-reduce B/token | all-to-all B/token | "
+             "send B/token | broadcast B/token |", "|---|---|---|---|---|---|---|"]
+    for key, r in result["meshes"].items():
         b = r["bytes_per_token"]
-        lines.append(f"| {m} | {r['ranks']} x {r['threads_per_rank']} | {r['decode_tokens_per_s']:.1f} "
-                     f"({r['vs_first']:.2f}x) | {b['all_reduce']:,.0f} | {b['send']:,.0f} | {b['broadcast']:,.0f} |")
+        lines.append(f"| {key.replace('_', '-')} | {r['ranks']} x {r['threads_per_rank']} | "
+                     f"{r['decode_tokens_per_s']:.1f} ({r['vs_first']:.2f}x) | {b['all_reduce']:,.0f} | "
+                     f"{b['all_to_all']:,.0f} | {b['send']:,.0f} | {b['broadcast']:,.0f} |")
     return "\n".join(lines)

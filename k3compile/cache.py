@@ -111,7 +111,7 @@ def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: s
 
 
 def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, weights: str = "auto",
-                   progress: Callable[[str], None] | None = None) -> Path:
+                   progress: Callable[[str], None] | None = None, dispatch: str = "all_reduce") -> Path:
     """A sharded artifact of SOURCE over `mesh` (`export --mesh`'s OUT) in the cache, built on first use."""
     from k3compile import source as sources
     from k3compile.partition import export_sharded, read_sharded
@@ -120,7 +120,7 @@ def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, 
 
     parsed = Mesh.parse(mesh)
     record = sources.record(source, seed, weights)
-    folder = cache_root() / "sharded" / entry_key("sharded", record, {"mesh": str(parsed),
+    folder = cache_root() / "sharded" / entry_key("sharded", record, {"mesh": str(parsed), "dispatch": dispatch,
                                                                       "target": resolve(target).describe()})
     try:
         read_sharded(folder)
@@ -129,5 +129,6 @@ def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, 
         pass
     (progress or (lambda msg: None))(f"building {source} over {parsed} into the cache ({folder})")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    export_sharded(source, folder, parsed, target, seed=seed, experts=weights, overwrite=True, progress=progress)
+    export_sharded(source, folder, parsed, target, seed=seed, experts=weights, overwrite=True, progress=progress,
+                   dispatch=dispatch)
     return folder

@@ -114,9 +114,11 @@ def rank_sample(cfg: K3Config, p: RankPlan, sliced: bool, batch: int = 2, new: i
     return flat, {"flat": tuple(shapes)}
 
 
-def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: bool) -> K3ForCausalLM:
+def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: bool,
+               plan: ShardPlan | None = None) -> K3ForCausalLM:
     """A model holding exactly rank p's tensors (the rest of the decoder is left out): its layers, their expert
-    slice (`sliced`), the embedding on the first stage, the head on the last."""
+    slice (`sliced`), the embedding on the first stage, the head on the last. Sliced MoE layers join the other
+    slices as `plan.dispatch` says: all-reduce (the default) or all-to-all."""
     from k3compile.model.moe import RoutedExperts
 
     with torch.device("meta"):
@@ -146,7 +148,11 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
 
         for i in range(a, b):
             moe = getattr(model.model.layers[i], "block_sparse_moe", None)
-            if moe is not None:
+            if moe is None:
+                continue
+            if plan is not None and plan.dispatch == "all_to_all":
+                moe.exchange = _Exchange(i, plan.slices)
+            else:
                 moe.reduce = _Reduce(all_reduce, i)
     return model.eval()
 
@@ -159,6 +165,32 @@ class _Reduce:
 
     def __call__(self, y: Tensor) -> Tensor:
         return self.op(y, self.tag)
+
+
+class _Exchange:
+    """MoE.exchange of layer `tag` over an expert-parallel group holding `slices`: every token slot's latent vector,
+    expert id and weight go to the rank holding that expert, in one block per destination with room for all of this
+    rank's slots (static shapes, nothing dropped; slots for other ranks are zero, id -1); each rank runs its experts
+    on what arrives (MoE.routed_local) and sends the weighted outputs back, where each token sums its slots."""
+
+    def __init__(self, tag: int, slices: tuple[tuple[int, int], ...]) -> None:
+        self.tag, self.bounds, self.group = tag, [b for _, b in slices[:-1]], len(slices)
+
+    def __call__(self, moe, z: Tensor, idx: Tensor, w: Tensor, act_quant) -> Tensor:
+        from k3compile.ops.collectives import all_to_all
+
+        n, k = idx.shape
+        g, d = self.group, z.shape[-1]
+        owner = (idx.unsqueeze(-1) >= torch.tensor(self.bounds, dtype=idx.dtype)).sum(-1)  # [n, k]: its rank
+        hit = owner.unsqueeze(0) == torch.arange(g, dtype=owner.dtype).view(g, 1, 1)  # [g, n, k]
+        tokens = torch.where(hit.unsqueeze(-1), z.view(1, n, 1, d), 0.0).reshape(g, n * k, d)
+        ids = torch.where(hit, idx.unsqueeze(0), -1).reshape(g, n * k)
+        weights = torch.where(hit, w.unsqueeze(0), 0.0).reshape(g, n * k)
+        tokens, ids, weights = (all_to_all(t, self.tag, part) for part, t in enumerate((tokens, ids, weights)))
+        y = moe.routed_local(tokens.reshape(g * n * k, d), ids.reshape(g * n * k, 1), weights.reshape(g * n * k, 1),
+                             act_quant)
+        back = all_to_all(y.reshape(g, n * k, -1), self.tag, 3)
+        return back.reshape(g, n, k, -1).sum(dim=(0, 2))
 
 
 # ---- the rank's tensors -----------------------------------------------------------------------------------------
@@ -254,7 +286,7 @@ def check_mesh_target(target: str) -> None:
 
 def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,
                    experts: str = "auto", activations: str = "none", opset: int = 27, overwrite: bool = False,
-                   progress: Callable[[str], None] | None = None) -> dict:
+                   progress: Callable[[str], None] | None = None, dispatch: str = "all_reduce") -> dict:
     """Build OUT for `mesh` from SOURCE (a preset, config.json or checkpoint folder); returns the manifest."""
     import tvm
     from safetensors.numpy import save_file
@@ -276,7 +308,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     t0 = time.perf_counter()
     src = RankSource(source, seed, experts)
     cfg = src.rank_config()
-    plan = make_plan(cfg, mesh)
+    plan = make_plan(cfg, mesh, dispatch)
     forms = Forms.exported(ACTIVATIONS[activations])
     builds: dict[str, tuple] = {}  # structure key -> (rank built, executable, weight names)
     traced: dict[tuple, object] = {}  # (stage, slice size) -> a traced graph of that shape
@@ -293,7 +325,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                 shape_key = (p.stage, p.experts[1] - p.experts[0])
                 proto = swap_weights(traced[shape_key], state) if shape_key in traced else None
                 if proto is None:
-                    model = rank_model(cfg, state, p, sliced)
+                    model = rank_model(cfg, state, p, sliced, plan)
                     sample, shapes = rank_sample(cfg, p, sliced)
                     latent = next((n for n in inputs if n.endswith(".latent")), None)
                     step(f"{tag}: tracing layers [{p.layers[0]}, {p.layers[1]}), experts [{p.experts[0]}, "

@@ -36,9 +36,11 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--mesh", "meshes", multiple=True, metavar="ep=E[,pp=P]",
               help="Instead: distributed decode over each mesh given (repeat the option; `k3compile run` on this "
                    "machine), decode tokens/s and bytes per token; --decode-batches' first size is the batch.")
+@click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
+              help="With --mesh: comma-separated all-reduce, all-to-all; a mesh with ep > 1 runs once per dispatch.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
-            meshes, quiet):
+            meshes, dispatches, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM in one run: decode and prefill
     tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert kernel against torch fp32, the KDA
     kernel as T doubles, the memory roofline, load time and peak memory. Builds into the cache on first use. Run it
@@ -64,7 +66,10 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
             from k3compile.bench import mesh_table, run_mesh_bench
 
             with status(f"benchmarking {source} over {len(meshes)} meshes", quiet) as step:
-                result = run_mesh_bench(source, meshes, batches[0], decode_steps, repeats, step)
+                modes = tuple(d.strip().replace("-", "_") for d in dispatches.split(",") if d.strip())
+                if not modes or any(d not in ("all_reduce", "all_to_all") for d in modes):
+                    raise click.BadParameter(f"{dispatches!r}: all-reduce, all-to-all", param_hint="--dispatch")
+                result = run_mesh_bench(source, meshes, batches[0], decode_steps, repeats, step, modes)
             if json_path is not None:
                 Path(json_path).write_text(dumps(result, indent=2) + "\n")
             click.echo(mesh_table(result))

@@ -23,9 +23,11 @@ from k3compile.cli.common import dumps, status, user_errors
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Shard over this mesh: the ranks' graphs are traced again from the source FOLDER records (its "
                    "export.json), one library and weight file per rank; run OUT with `k3compile run`.")
+@click.option("--dispatch", type=click.Choice(["all-reduce", "all-to-all"]), default="all-reduce", show_default=True,
+              help="With --mesh: how a stage's ranks join their expert slices (see `k3compile export --help`).")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, overwrite, dump_ir, tune, mesh, as_json, quiet):
+def command(folder, out, target, overwrite, dump_ir, tune, mesh, dispatch, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
@@ -33,7 +35,7 @@ def command(folder, out, target, overwrite, dump_ir, tune, mesh, as_json, quiet)
     if mesh is not None:
         if dump_ir or tune:
             raise click.UsageError("--dump-ir and --tune do not apply to --mesh")
-        return _compile_sharded(folder, out, target, overwrite, mesh, as_json, quiet)
+        return _compile_sharded(folder, out, target, overwrite, mesh, dispatch, as_json, quiet)
     with user_errors(), status(f"compiling {folder}", quiet) as step:
         manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir,
                                   tune=tune)
@@ -48,7 +50,7 @@ def command(folder, out, target, overwrite, dump_ir, tune, mesh, as_json, quiet)
                        f"{row['chosen']}")
 
 
-def _compile_sharded(folder, out, target, overwrite, mesh, as_json, quiet):
+def _compile_sharded(folder, out, target, overwrite, mesh, dispatch, as_json, quiet):
     """An export sharded: the ranks are traced from the source the export records (a rank's graph is not a cut of
     the whole graph's ONNX), with its weights' seed, expert format, activations and opset."""
     from k3compile.cli.export import _export_sharded
@@ -63,4 +65,4 @@ def _compile_sharded(folder, out, target, overwrite, mesh, as_json, quiet):
             raise click.ClickException(f"{folder}: its export.json records no source that exists here "
                                        f"({source!r}); export the source with --mesh instead")
     _export_sharded(source, out, mesh, target, int(src.get("seed", 0)), src.get("experts", "auto"),
-                    doc["activations"], doc["opset"], overwrite, None, as_json, quiet)
+                    doc["activations"], doc["opset"], overwrite, None, as_json, quiet, dispatch)

@@ -33,11 +33,15 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Shard over this device mesh: OUT holds one library and weight file per rank and a manifest with "
                    "the plan and each rank's step schedule; run it with `k3compile run OUT` (target llvm).")
+@click.option("--dispatch", type=click.Choice(["all-reduce", "all-to-all"]), default="all-reduce", show_default=True,
+              help="With --mesh: how the ranks of a stage join their expert slices: all-reduce the latent partial "
+                   "sums (every rank computes every row), or split the rows and send each token to its experts' "
+                   "ranks and back (all-to-all with static no-drop buffers).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print export.json (with --target: manifest.json) on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,
-            target, mesh, threads, as_json, quiet):
+            target, mesh, dispatch, threads, as_json, quiet):
     """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
 
     The graph serves prefill and decode (dynamic batch, new tokens and past length). OUT is written through a
@@ -56,7 +60,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
     record = sources.record(source, seed, weights)
     if mesh is not None:
         return _export_sharded(source, out, mesh, target or "llvm", seed, weights, activations, opset, overwrite,
-                               threads, as_json, quiet)
+                               threads, as_json, quiet, dispatch)
     with user_errors():
         check_options(out, opset, activations, overwrite, source_paths(record))
         if target is not None:
@@ -109,7 +113,8 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
                    f"compiled in {manifest['compile_s']:.1f} s")
 
 
-def _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite, threads, as_json, quiet):
+def _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite, threads, as_json, quiet,
+                    dispatch="all-reduce"):
     """--mesh: one library and weight file per rank (k3compile/partition.py)."""
     from k3compile.export import check_options, source_paths
     from k3compile.partition import check_mesh_target, export_sharded
@@ -125,9 +130,10 @@ def _export_sharded(source, out, mesh, target, seed, weights, activations, opset
             use_threads(threads)
         with status(f"loading {source}", quiet) as step:
             manifest = export_sharded(source, out, mesh, target, seed=seed, experts=weights, activations=activations,
-                                      opset=opset, overwrite=overwrite, progress=step)
+                                      opset=opset, overwrite=overwrite, progress=step,
+                                      dispatch=dispatch.replace("-", "_"))
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
-        click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}), {manifest['builds']} distinct "
+        click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}, {dispatch}), {manifest['builds']} distinct "
                    f"libraries, built in {manifest['build_s']:.1f} s; run it with `k3compile run {out}`")

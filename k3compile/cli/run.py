@@ -40,7 +40,8 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     for p, toks in zip(prompts, res["tokens"]):
         click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
     if res["decode_tokens_per_s"] is not None and not quiet:
-        click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {res['mesh']}")
+        click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {res['mesh']} "
+                   f"({res['dispatch'].replace('_', '-')} dispatch)")
     if stats:
         _stats(res)
 
@@ -49,11 +50,11 @@ def _stats(res) -> None:
     from rich.table import Table
 
     t = Table(title="bytes per decode token, measured (plan)")
-    for col in ("rank", "rows", "all-reduce", "send", "broadcast"):
+    ops = ("all_reduce", "all_to_all", "send", "broadcast")
+    for col in ("rank", "rows", *(op.replace("_", "-") for op in ops)):
         t.add_column(col, justify="right")
     for r in res["ranks"]:
         rows = r["rows"]
         t.add_row(str(r["rank"]), str(rows), *(f"{r['bytes_per_token'][op]:,.0f} "
-                                               f"({r['predicted_bytes_per_step'][op] / rows:,.0f})"
-                                               for op in ("all_reduce", "send", "broadcast")))
+                                               f"({r['predicted_bytes_per_step'][op] / rows:,.0f})" for op in ops))
     table_console().print(t)

@@ -13,6 +13,8 @@ Routed experts are stacked: float `w13` [E, 2I, D_e] ([W1; W3]) and `w2` [E, D_e
 A model may hold a contiguous slice [a, b) of every layer's routed experts (expert parallelism, docs/architecture.md
 "Sharding"): the dispatch then sums that slice only, and `MoE.reduce`, when set, turns the slice's partial latent
 sum into the sum over all experts (an all-reduce across the ranks holding the other slices) before the latent norm.
+`MoE.exchange`, when set instead, replaces the routed sum: it sends the latent tokens to the ranks holding their
+experts and sums what comes back (all-to-all dispatch and combine), calling `routed_local` for this rank's slice.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.reduce: Callable[[Tensor], Tensor] | None = None  # the partial sum of a slice -> the sum of all
+        self.exchange: Callable | None = None  # (moe, z, idx, w, act_quant) -> the routed sum, over all ranks
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg, experts)
         if cfg.num_shared_experts:
@@ -105,6 +108,12 @@ class MoE(nn.Module):
         """The pre-norm latent sum Σ_j w_j E_idx_j(z) [N, D_e] fp32 over the experts this module holds (all of
         them, or a slice). `act_quant`: MXFP8 fake quantization of the activations in front of the expert matmuls."""
         z = self.routed_expert_down_proj(x) if self.cfg.is_latent_moe else x
+        if self.exchange is not None:
+            return self.exchange(self, z, idx, w, act_quant)
+        return self.routed_local(z, idx, w, act_quant)
+
+    def routed_local(self, z: Tensor, idx: Tensor, w: Tensor, act_quant: ActQuant = ActQuant.NONE) -> Tensor:
+        """Σ_j w_j E_idx_j(z) over this module's experts (global indices; others contribute zero)."""
         w13, w2, s13, s2 = self.experts.weights()
         if self.experts.sliced:  # indices local to the slice; the dispatch skips those outside [0, E_slice)
             idx = idx - self.experts.expert_offset.to(idx.dtype)

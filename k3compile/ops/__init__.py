@@ -11,7 +11,8 @@ from __future__ import annotations
 from k3compile.ops import collectives, kda_recurrence, latent_moe_dispatch, mxfp4_matmul
 from k3compile.ops.spec import OpSpec
 
-SPECS: tuple[OpSpec, ...] = (mxfp4_matmul.SPEC, kda_recurrence.SPEC, latent_moe_dispatch.SPEC, collectives.SPEC)
+SPECS: tuple[OpSpec, ...] = (mxfp4_matmul.SPEC, kda_recurrence.SPEC, latent_moe_dispatch.SPEC,
+                               collectives.ALL_REDUCE_SPEC, collectives.ALL_TO_ALL_SPEC)
 
 
 def torch_op(spec: OpSpec):

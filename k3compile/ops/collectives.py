@@ -1,17 +1,21 @@
-"""`k3::all_reduce`: the sum of a tensor over the ranks of an expert-parallel group (docs/architecture.md,
-"Sharding and the runtime").
+"""The collectives inside a rank's graph (docs/architecture.md, "Sharding and the runtime"): where a rank's graph
+talks to the other ranks of its expert-parallel group.
 
-A rank of expert parallelism holds a slice of every layer's routed experts; the latent partial sum of its slice
-goes through this op, which returns the sum over all slices. The op is where a rank's graph talks to the others:
+- `k3::all_reduce(x, tag)`: the sum of x over the group. Expert parallelism by all-reduce: each rank's latent
+  partial sum of its expert slice goes through it before the latent norm.
+- `k3::all_to_all(x, tag, part)`: x is [G, C, ...], one block per rank of the group; block g goes to rank g, and
+  the result's block g is what rank g sent here. Expert parallelism by dispatch: the latent tokens, their expert
+  ids and weights go to the ranks holding those experts (`part` 0, 1, 2), the weighted expert outputs come back
+  (`part` 3).
 
-- eager and single process (no reducer installed): the identity (a world of one rank), so a rank's graph runs
-  anywhere for inspection, and onnxruntime runs its ONNX (the function body is `Identity`);
-- in a worker of `k3compile run` (runtime/worker.py): `set_reducer` installs an in-place all-reduce over
-  torch.distributed, which the eager op and the compiled graph's extern call both reach. The TVM call writes the
-  result into its output through DLPack (no copy besides that one into the output).
+How they run:
+- eager and single process (no collective installed): a world of one rank, so both are the identity: a rank's
+  graph runs anywhere for inspection, and onnxruntime runs its ONNX (the function bodies are `Identity`);
+- in a worker of `k3compile run` (runtime/worker.py): `set_collective` installs torch.distributed calls over the
+  group, which the eager ops and the compiled graph's extern calls both reach; TVM's output is filled in place
+  through DLPack (no copy besides the one into the output that all-reduce needs).
 
-`tag` numbers the call (the decoder layer), so that the runtime can check each collective against its step schedule
-and account for its bytes.
+`tag` (the decoder layer) and `part` let the runtime check each call against its step schedule and count its bytes.
 """
 
 from __future__ import annotations
@@ -23,28 +27,38 @@ from torch import Tensor
 
 from k3compile.ops.spec import OpSpec
 
-Reducer = Callable[[Tensor, int], None]  # (tensor, tag): reduce in place
-_reducer: Reducer | None = None
+# (op, x, out, tag, part): fill `out` with the collective of x over the group ("all_reduce" or "all_to_all")
+Collective = Callable[[str, Tensor, Tensor, int, int], None]
+_collective: Collective | None = None
 
 
-def set_reducer(fn: Reducer | None) -> None:
-    """Install (or with None remove) this process's all-reduce."""
-    global _reducer
-    _reducer = fn
+def set_collective(fn: Collective | None) -> None:
+    """Install (or with None remove) this process's collectives."""
+    global _collective
+    _collective = fn
 
 
-def _reduce_into(out: Tensor, tag: int) -> None:
-    if _reducer is not None:
-        _reducer(out, int(tag))
+def _run(op: str, x: Tensor, out: Tensor, tag: int, part: int = 0) -> None:
+    if _collective is None:
+        out.copy_(x)
+    else:
+        _collective(op, x, out, int(tag), int(part))
 
 
 def all_reduce_eager(x: Tensor, tag: int = 0) -> Tensor:
-    out = x.clone()
-    _reduce_into(out, tag)
+    out = torch.empty_like(x)
+    _run("all_reduce", x, out, tag)
+    return out
+
+
+def all_to_all_eager(x: Tensor, tag: int = 0, part: int = 0) -> Tensor:
+    out = torch.empty_like(x)
+    _run("all_to_all", x.contiguous(), out, tag, part)
     return out
 
 
 all_reduce = torch.library.custom_op("k3::all_reduce", all_reduce_eager, mutates_args=())
+all_to_all = torch.library.custom_op("k3::all_to_all", all_to_all_eager, mutates_args=())
 
 
 @all_reduce.register_fake
@@ -52,52 +66,83 @@ def _(x, tag=0):
     return torch.empty_like(x)
 
 
-# ---- ONNX: k3.AllReduce(x) {tag} -> y, body Identity (one rank) ----------------------------------------------------
-ONNX_NAME = "AllReduce"
+@all_to_all.register_fake
+def _(x, tag=0, part=0):
+    return torch.empty_like(x)
+
+
+# ---- ONNX: k3.AllReduce(x) {tag}, k3.AllToAll(x) {tag, part}; bodies Identity (a group of one) -------------------
+ALL_REDUCE = "AllReduce"
+ALL_TO_ALL = "AllToAll"
+ATTRIBUTES = {ALL_REDUCE: {"tag": int}, ALL_TO_ALL: {"tag": int, "part": int}}
 
 
 def onnx_schemas():
     from k3compile.ops.onnx_body import schema
 
-    return [schema(ONNX_NAME, [("x", "T", False)], [("y", "T")], {"tag": int}, {"T": ["tensor(float)"]},
-                   "Sum of x over the ranks of the expert-parallel group (tag: which call, for the runtime's "
-                   "schedule). A single process is a group of one: the identity.")]
+    return [
+        schema(ALL_REDUCE, [("x", "T", False)], [("y", "T")], ATTRIBUTES[ALL_REDUCE], {"T": ["tensor(float)"]},
+               "Sum of x over the ranks of the expert-parallel group (tag: which call, for the runtime's schedule). "
+               "A single process is a group of one: the identity."),
+        schema(ALL_TO_ALL, [("x", "T", False)], [("y", "T")], ATTRIBUTES[ALL_TO_ALL],
+               {"T": ["tensor(float)", "tensor(int64)"]},
+               "x [G, C, ...]: block g goes to rank g of the expert-parallel group; y's block g came from rank g "
+               "(tag, part: which call). A single process is a group of one: the identity."),
+    ]
 
 
-def onnx_function(opset: int):
+def onnx_function(name: str, opset: int):
     from k3compile.ops.onnx_body import Body
 
     b = Body()
     b.op("Identity", "x", name="y")
-    return b.function(ONNX_NAME, ["x"], ["y"], ["tag"], opset, onnx_schemas()[0].doc)
+    doc = next(s.doc for s in onnx_schemas() if s.name == name)
+    return b.function(name, ["x"], ["y"], list(ATTRIBUTES[name]), opset, doc)
 
 
-def onnx_translation(x, tag=0):
+def all_reduce_translation(x, tag=0):
     from onnxscript.values import Opset
 
-    return getattr(Opset("k3", 1), ONNX_NAME)(x, tag=int(tag))
+    return getattr(Opset("k3", 1), ALL_REDUCE)(x, tag=int(tag))
 
 
-# ---- TVM: a call of the extern `k3.all_reduce`, served in every process by the reducer installed there -------------
-TVM_SYMBOL = "k3.all_reduce"
+def all_to_all_translation(x, tag=0, part=0):
+    from onnxscript.values import Opset
+
+    return getattr(Opset("k3", 1), ALL_TO_ALL)(x, tag=int(tag), part=int(part))
 
 
-def tvm_convert(bb, inputs, attrs):
-    import tvm
-    from tvm import relax
-
-    (x,) = inputs
-    return relax.call_dps_packed(TVM_SYMBOL, [x, relax.prim_value(tvm.tirx.IntImm("int64", int(attrs["tag"])))],
-                                 relax.TensorType(x.ty.shape, x.ty.dtype))
+# ---- TVM: calls of the externs `k3.all_reduce` / `k3.all_to_all`, served by the collectives installed -------------
+SYMBOLS = {ALL_REDUCE: "k3.all_reduce", ALL_TO_ALL: "k3.all_to_all"}
 
 
-def _tvm_reference(x, tag, out) -> None:
-    y = torch.from_dlpack(out)
-    y.copy_(torch.from_dlpack(x))
-    _reduce_into(y, tag)
+def tvm_convert(name: str):
+    def convert(bb, inputs, attrs):
+        import tvm
+        from tvm import relax
+
+        (x,) = inputs
+        args = [x, *(relax.prim_value(tvm.tirx.IntImm("int64", int(attrs[a]))) for a in ATTRIBUTES[name])]
+        return relax.call_dps_packed(SYMBOLS[name], args, relax.TensorType(x.ty.shape, x.ty.dtype))
+
+    return convert
 
 
-SPEC = OpSpec(
-    "k3::all_reduce", onnx_schemas, {ONNX_NAME: onnx_function}, onnx_translation,
-    tvm_converters={ONNX_NAME: tvm_convert}, tvm_references={TVM_SYMBOL: _tvm_reference},
+def _tvm_all_reduce(x, tag, out) -> None:
+    _run("all_reduce", torch.from_dlpack(x), torch.from_dlpack(out), tag)
+
+
+def _tvm_all_to_all(x, tag, part, out) -> None:
+    _run("all_to_all", torch.from_dlpack(x), torch.from_dlpack(out), tag, part)
+
+
+ALL_REDUCE_SPEC = OpSpec(
+    "k3::all_reduce", lambda: onnx_schemas()[:1], {ALL_REDUCE: lambda opset: onnx_function(ALL_REDUCE, opset)},
+    all_reduce_translation, tvm_converters={ALL_REDUCE: tvm_convert(ALL_REDUCE)},
+    tvm_references={SYMBOLS[ALL_REDUCE]: _tvm_all_reduce},
+)
+ALL_TO_ALL_SPEC = OpSpec(
+    "k3::all_to_all", lambda: onnx_schemas()[1:], {ALL_TO_ALL: lambda opset: onnx_function(ALL_TO_ALL, opset)},
+    all_to_all_translation, tvm_converters={ALL_TO_ALL: tvm_convert(ALL_TO_ALL)},
+    tvm_references={SYMBOLS[ALL_TO_ALL]: _tvm_all_to_all},
 )

@@ -41,8 +41,10 @@ def run(folder: str | Path, options: Options, log_dir: str | Path | None = None)
     folder = Path(folder)
     _, cfg, plan = read_sharded(folder)
     check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
-    if len(options.prompts) < plan.mesh.dp:
-        raise RuntimeFault(f"dp={plan.mesh.dp} needs a batch of at least {plan.mesh.dp} prompts")
+    need = plan.mesh.dp * len(plan.token_sources(0))
+    if len(options.prompts) < need:
+        raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
+                           "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
     if options.threads is None:
         options.threads = default_threads(plan.mesh.size)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.mesh.size, run_id=uuid.uuid4().hex,
@@ -87,19 +89,21 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
     decode_s = 0.0
     decode_tokens = 0
     for d in range(plan.mesh.dp):
-        src = results[plan.token_source(d)]
+        src = results[plan.token_sources(d)[0]]
         tokens += src["tokens"]
         decode_s = max(decode_s, src["decode_s"])
         decode_tokens += src["decode_steps"] * (src["rows"][1] - src["rows"][0])
     ranks = []
     for r in results:
-        rows = r["rows"][1] - r["rows"][0]
+        rows = r["rows"][1] - r["rows"][0]  # its replica's: the tokens each step makes there
         steps = max(r["decode_steps"], 1)
-        measured = {op: r["bytes_decode"].get(op, 0) / steps for op in ("all_reduce", "send", "broadcast")}
-        predicted = step_bytes(cfg, plan, r["rank"], rows)
-        ranks.append({"rank": r["rank"], "rows": rows, "decode_steps": r["decode_steps"],
-                      "bytes_per_step": measured, "bytes_per_token": {k: v / rows for k, v in measured.items()},
+        measured = {op: r["bytes_decode"].get(op, 0) / steps for op in ("all_reduce", "all_to_all", "send",
+                                                                         "broadcast")}
+        predicted = step_bytes(cfg, plan, r["rank"], len(tokens))
+        ranks.append({"rank": r["rank"], "rows": rows, "own_rows": r["own_rows"], "padded_rows": r["padded_rows"],
+                      "decode_steps": r["decode_steps"], "bytes_per_step": measured,
+                      "bytes_per_token": {k: v / rows for k, v in measured.items()},
                       "predicted_bytes_per_step": predicted})
-    return {"mesh": doc["plan"]["mesh"], "tokens": tokens, "decode_s": decode_s,
+    return {"mesh": doc["plan"]["mesh"], "dispatch": plan.dispatch, "tokens": tokens, "decode_s": decode_s,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
             "prefill_s": max(r["prefill_s"] for r in results), "ranks": ranks}

@@ -102,19 +102,27 @@ class Rank:
         self.params = read_weights(folder / self.entry["weights"], self.entry["params"], self.device)
 
     # ---- the collectives, each checked against the schedule and counted -------------------------------------------
-    def expect_reduces(self) -> None:
+    def expect_collectives(self) -> None:
         run = next(s for s in self.schedule if s["op"] == "run")
-        self._reduces = [c["tag"] for c in run["collectives"]]
+        self._calls = [(c["op"], c["tag"], c["part"]) for c in run["collectives"]]
 
-    def all_reduce(self, t, tag: int) -> None:
+    def collective(self, op: str, x, out, tag: int, part: int) -> None:
+        """ops/collectives.py's hook: the graph's all-reduce or all-to-all, over this rank's expert-parallel group."""
         import torch.distributed as dist
 
-        if not self._reduces or self._reduces[0] != tag:
-            raise RuntimeFault(f"rank {self.p.rank}: all-reduce of layer {tag} is not next in its schedule "
-                               f"({self._reduces[:1] or 'none left'})")
-        self._reduces.pop(0)
-        self.stats.add("all_reduce", t.numel() * t.element_size())
-        dist.all_reduce(t, group=self.ep_group)
+        if not self._calls or self._calls[0] != (op, tag, part):
+            raise RuntimeFault(f"rank {self.p.rank}: {op} of layer {tag} (part {part}) is not next in its schedule "
+                               f"({self._calls[:1] or 'none left'})")
+        self._calls.pop(0)
+        nbytes = x.numel() * x.element_size()
+        if op == "all_reduce":
+            self.stats.add(op, nbytes)
+            out.copy_(x)
+            dist.all_reduce(out, group=self.ep_group)
+        else:  # the blocks for the other ranks leave this one
+            group = self.plan.mesh.ep
+            self.stats.add(op, nbytes // group * (group - 1))
+            dist.all_to_all_single(out, x.contiguous(), group=self.ep_group)
 
     def send(self, tensors, to: int) -> None:
         import torch.distributed as dist
@@ -140,8 +148,9 @@ class Rank:
         dist.broadcast(t, src=src, group=self.replica)
 
     # ---- one step of the schedule ---------------------------------------------------------------------------------
-    def step(self, ids, mask, past: list, pick):
-        """One token's step for this rank's replica: returns (next tokens [B], present)."""
+    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]]):
+        """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
+        rows within the replica. Returns (the replica's next tokens, present)."""
         import torch
 
         b, t = ids.shape
@@ -154,20 +163,23 @@ class Rank:
         feeds = [*feeds, mask, *past]
         if self.plan.mesh.ep > 1:
             feeds.append(torch.tensor(self.p.experts[0], dtype=torch.int64))
-        self.expect_reduces()
+        self.expect_collectives()
         outs = self.vm["main"](*(_tvm(x) for x in feeds), *self.params)
         outs = [torch.from_dlpack(o) for o in outs]
-        if self._reduces:
-            raise RuntimeFault(f"rank {self.p.rank}: the library skipped the all-reduces of layers {self._reduces}")
+        if self._calls:
+            raise RuntimeFault(f"rank {self.p.rank}: the library skipped collectives of its schedule {self._calls}")
         head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
-        nxt = torch.empty(b, dtype=torch.int64)
+        nxt = torch.empty(rows[-1][1], dtype=torch.int64)
+        sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s in self.schedule:
             if s["op"] == "send":
                 self.send(outs[:head], s["to"])
-            elif s["op"] == "broadcast":
-                if self.p.rank == s["from"]:
-                    nxt.copy_(pick(outs[0][:, -1]))
-                self.broadcast(nxt, s["from"])
+        for s, (lo, hi, padded) in zip(sources, rows):
+            buf = torch.empty(padded, dtype=torch.int64)
+            if self.p.rank == s["from"]:
+                buf.copy_(pick(outs[0][:, -1]))
+            self.broadcast(buf, s["from"])
+            nxt[lo:hi] = buf[:hi - lo]
         return nxt, outs[head:]
 
 
@@ -195,8 +207,7 @@ def _decode(folder: str | Path, options: Options) -> dict:
 
     from k3compile.generate import check_request, left_pad, pick_next
     from k3compile.interface import init_past
-    from k3compile.ops.collectives import set_reducer
-    from k3compile.sharding.cost import replica_rows
+    from k3compile.ops.collectives import set_collective
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if options.threads:
@@ -210,17 +221,30 @@ def _decode(folder: str | Path, options: Options) -> dict:
             print(f"rank {rank} (pid {os.getpid()}, {socket.gethostname()}): layers [{p.layers[0]}, {p.layers[1]}), "
                   f"experts [{p.experts[0]}, {p.experts[1]})", file=sys.stderr, flush=True)
         check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
-        lo, hi = replica_rows(len(options.prompts), me.plan.mesh.dp)[p.replica]
-        prompts = options.prompts[lo:hi]
-        if not prompts:
-            raise RuntimeFault(f"dp={me.plan.mesh.dp} needs a batch of at least {me.plan.mesh.dp} prompts")
+        plan, batch = me.plan, len(options.prompts)
+        sources = [plan.rank_rows(batch, r) for r in plan.token_sources(p.replica)]
+        if any(hi == lo for lo, hi, _ in sources):
+            raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least "
+                               f"{len(sources) * plan.mesh.dp} prompts")
+        first, end = sources[0][0], sources[-1][1]  # this replica's rows
+        rows = [(lo - first, hi - first, padded) for lo, hi, padded in sources]
+        own_lo, own_hi, padded = plan.rank_rows(batch, rank)
+
+        def mine(t):
+            """This rank's rows of a replica tensor, padded to the group's count by repeating its last row."""
+            part = t[own_lo - first:own_hi - first]
+            return torch.cat([part, part[-1:].expand(padded - len(part), *part.shape[1:])]) if len(part) < padded \
+                else part
+
+        prompts = options.prompts[first:end]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-        ids, mask = left_pad(prompts, pad)
-        past = [t for state in init_past(cfg, len(prompts))[slice(*p.layers)] for t in state]
+        all_ids, all_mask = left_pad(prompts, pad)
+        ids, mask = mine(all_ids), mine(all_mask)
+        past = [t for state in init_past(cfg, padded)[slice(*p.layers)] for t in state]
         gen = torch.Generator().manual_seed(options.seed)
         out: list[list[int]] = [[] for _ in prompts]
         done = torch.zeros(len(prompts), dtype=torch.bool)
-        set_reducer(me.all_reduce)
+        set_collective(me.collective)
         t0 = time.perf_counter()
         prefill_s = 0.0
         for step in range(options.max_new_tokens):
@@ -231,7 +255,7 @@ def _decode(folder: str | Path, options: Options) -> dict:
                     raise RuntimeFault(f"rank {rank}: non-finite logits at step {step}; check the weights")
                 return pick_next(logits, options.temperature, options.top_p, gen)
 
-            nxt, past = me.step(ids, mask, past, pick)
+            nxt, past = me.step(ids, mask, past, pick, rows)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             for i in range(len(prompts)):
                 if not done[i]:
@@ -246,17 +270,19 @@ def _decode(folder: str | Path, options: Options) -> dict:
                 print(f"step {step + 1}/{options.max_new_tokens}", file=sys.stderr, flush=True)
             if bool(done.all()):
                 break
-            ids = nxt.unsqueeze(-1)
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+            all_ids = nxt.unsqueeze(-1)
+            all_mask = torch.cat([all_mask, torch.ones_like(all_ids)], dim=-1)
+            ids, mask = mine(all_ids), mine(all_mask)
         decode_s = time.perf_counter() - t0 - prefill_s
-        set_reducer(None)
+        set_collective(None)
         if options.states_dir:
             import numpy as np
 
             names = [n for n in me.entry["inputs"] if n.startswith("past.")]
             np.savez(Path(options.states_dir) / f"states.rank{rank}.npz",
                      **{n: t.numpy() for n, t in zip(names, past)})
-        result = {"rank": rank, "replica": p.replica, "rows": [lo, hi], "tokens": out,
+        result = {"rank": rank, "replica": p.replica, "rows": [first, end], "own_rows": [own_lo, own_hi],
+                  "padded_rows": padded, "tokens": out,
                   "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": me.stats.decode_steps,
                   "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
         results = [None] * world

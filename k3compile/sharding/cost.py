@@ -4,9 +4,10 @@ bytes per decode step per collective. Shapes come from a meta-device model (no w
 Bytes are payload bytes a rank hands to a collective during one decode step (one new token for each of the B rows of
 its replica): an all-reduce counts the tensor each member contributes (a ring moves 2(n-1)/n of it over each link),
 a send its tensors, a broadcast its tensor at the source only. The runtime counts the same way, so its measured
-figures equal these (`k3compile run --stats`). The all-to-all figures are the alternative dispatch mode, which the
-plan prices but the runtime does not run yet: each token's top-k vectors go to the experts' ranks and back,
-latent-width (D_e) or, for comparison, full-width (D).
+figures equal these (`k3compile run --stats`). `evaluate` prices both dispatch modes of a mesh; the all-to-all one
+at latent width D_e (as built) and, for comparison, at full width D. Its buffers have room for all of a rank's token
+slots in each destination (no token dropped, static shapes), so it moves (ep - 1) x top-k vectors per token and MoE
+layer each way: ep times what uniform routing needs, the price of never dropping a token.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from k3compile.config import K3Config
-from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_names, even_slices, make_plan
+from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_names, make_plan
 
 TOKEN_BYTES = 8  # int64 token ids
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -94,31 +95,31 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
     return batch * ((carry + 2 * widest) * dtype_bytes + (cfg.vocab_size * 4 if p.last else 0))
 
 
-def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4) -> dict[str, int]:
-    """Payload bytes rank `rank` sends in one decode step of its replica's `batch` rows, by collective (the schedule's
-    all_reduce / send / broadcast); `dtype_bytes` is the activations' element size (4: the runtime's fp32)."""
-    out = {"all_reduce": 0, "send": 0, "broadcast": 0}
+def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
+               width: int | None = None) -> dict[str, int]:
+    """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
+    (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
+    the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
+    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch)."""
+    rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry
+    slots = rows * cfg.num_experts_per_token
+    ep = plan.mesh.ep
+    width = width or cfg.latent_size
+    a2a = {"tokens": width * dtype_bytes, "expert_ids": TOKEN_BYTES, "weights": dtype_bytes,
+           "outputs": width * dtype_bytes}  # per token slot
+    out = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     for step in plan.schedule(rank, cfg):
         if step["op"] == "run":
-            out["all_reduce"] += len(step["collectives"]) * batch * cfg.latent_size * dtype_bytes
+            for c in step["collectives"]:
+                if c["op"] == "all_reduce":
+                    out["all_reduce"] += rows * cfg.latent_size * dtype_bytes
+                else:
+                    out["all_to_all"] += (ep - 1) * slots * a2a[c["tensor"]]
         elif step["op"] == "send":
-            out["send"] += len(step["tensors"]) * batch * cfg.hidden_size * dtype_bytes
+            out["send"] += len(step["tensors"]) * rows * cfg.hidden_size * dtype_bytes
         elif step["op"] == "broadcast" and step["from"] == rank:
-            out["broadcast"] += batch * TOKEN_BYTES
+            out["broadcast"] += rows * TOKEN_BYTES
     return out
-
-
-def dispatch_bytes_per_token(cfg: K3Config, plan: ShardPlan, dtype_bytes: int, width: int) -> float:
-    """All-to-all dispatch + combine bytes per token over the mesh, for vectors of `width`: each MoE layer sends a
-    token's top-k vectors to the ranks holding those experts and back; (ep - 1) / ep of them leave the rank under
-    uniform routing (static buffers with capacity factor 1 carry exactly that)."""
-    ep = plan.mesh.ep
-    return 2 * len(plan.moe_layers) * cfg.num_experts_per_token * width * dtype_bytes * (ep - 1) / ep
-
-
-def replica_rows(batch: int, dp: int) -> list[tuple[int, int]]:
-    """The batch rows each data-parallel replica decodes (contiguous, as even as the count allows)."""
-    return even_slices(batch, dp)
 
 
 def candidate_meshes(cfg: K3Config, devices: int) -> list[Mesh]:
@@ -146,12 +147,11 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     width). `batch` is the whole batch, split over dp replicas."""
     plan = make_plan(cfg, mesh)
     w = DTYPE_BYTES[dtype]
-    rows = replica_rows(batch, mesh.dp)
     worst: dict | None = None
     seen: dict[tuple, dict] = {}
-    total = {"all_reduce": 0, "send": 0, "broadcast": 0}
+    total = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     for p in plan.ranks():
-        b = rows[p.replica][1] - rows[p.replica][0]
+        b = plan.rank_rows(batch, p.rank)[2]
         key = (p.layers, p.experts, b)
         if key not in seen:
             mem = {**rank_weights(cfg, sizes, p, w), **rank_state(cfg, p, b, context, w),
@@ -159,15 +159,19 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             seen[key] = {"rank": p.rank, "bytes": mem, "total": sum(mem.values())}
         if worst is None or seen[key]["total"] > worst["total"]:
             worst = seen[key]
-        for k, v in step_bytes(cfg, plan, p.rank, b, w).items():
+        for k, v in step_bytes(cfg, plan, p.rank, batch, w).items():
             total[k] += v
+    a2a = {"latent": 0.0, "full_width": 0.0}
+    if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
+        other = make_plan(cfg, mesh, "all_to_all")
+        for p in other.ranks():
+            a2a["latent"] += step_bytes(cfg, other, p.rank, batch, w)["all_to_all"] / batch
+            a2a["full_width"] += step_bytes(cfg, other, p.rank, batch, w, cfg.hidden_size)["all_to_all"] / batch
     assert worst is not None
     return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
-            "bytes_per_token": {k: v / batch for k, v in total.items()},
-            "all_to_all_per_token": {"latent": dispatch_bytes_per_token(cfg, plan, w, cfg.latent_size),
-                                     "full_width": dispatch_bytes_per_token(cfg, plan, w, cfg.hidden_size)}}
+            "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a}
 
 
 def does_not_fit(row: dict, device_memory: int) -> str:

@@ -4,12 +4,20 @@ A `Mesh` has three degrees: data parallel (dp: replicas, each decoding its own r
 (pp: stages, each a contiguous range of layers) and expert parallel (ep: ranks of a stage, each holding a contiguous
 slice of every MoE layer's routed experts and a replica of everything else). Rank r = (d · pp + s) · ep + e.
 
-`make_plan(cfg, mesh)` places every layer and expert: stage cuts balanced by layer count and moved onto Block
-AttnRes block edges where that keeps every stage non-empty; expert slices as even as the count allows (8 experts on
-3 ranks: 3, 3, 2). A stage boundary carries the residual stream and, with Block AttnRes, the bank of closed blocks'
-summaries (`carry_names`). `schedule(rank)` is a rank's step: receive the carry, run its layers (one all-reduce of
-the latent partial sum per MoE layer when ep > 1), send the carry on, then the new tokens are broadcast from the last
-stage. The plan imports neither TVM nor the weights; the manifest stores it (`as_record` / `from_record`).
+`make_plan(cfg, mesh, dispatch)` places every layer and expert: stage cuts balanced by layer count and moved onto
+Block AttnRes block edges where that keeps every stage non-empty; expert slices as even as the count allows (8
+experts on 3 ranks: 3, 3, 2). A stage boundary carries the residual stream and, with Block AttnRes, the bank of
+closed blocks' summaries (`carry_names`). Two ways to join the expert slices (`dispatch`):
+
+- "all_reduce": every rank of a stage computes all of its replica's rows; each MoE layer's latent partial sums are
+  all-reduced (latent width, before the latent norm). Best for the small batches of decode.
+- "all_to_all": the ranks of a stage split the replica's rows (`rank_rows`, padded to one count: static shapes);
+  each MoE layer sends every token's latent vector, expert id and weight to the rank holding that expert, in
+  buffers with room for all of the sender's token slots (nothing is dropped), and the weighted outputs come back.
+
+`schedule(rank)` is a rank's step: receive the carry, run its layers (with those collectives), send the carry on,
+then the new tokens are broadcast from the last stage. The plan imports neither TVM nor the weights; the manifest
+stores it (`as_record` / `from_record`).
 """
 
 from __future__ import annotations
@@ -110,12 +118,17 @@ def carry_names(cfg: K3Config, layer: int) -> list[str]:
     return ["hidden", *(f"bank.{i}" for i in range(bank))]
 
 
+DISPATCH = ("all_reduce", "all_to_all")
+A2A_PARTS = ("tokens", "expert_ids", "weights", "outputs")  # what each all-to-all of one MoE layer moves
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     mesh: Mesh
     cuts: tuple[int, ...]
     slices: tuple[tuple[int, int], ...]
     moe_layers: tuple[int, ...]
+    dispatch: str = "all_reduce"
 
     def rank(self, r: int) -> RankPlan:
         if not 0 <= r < self.mesh.size:
@@ -134,37 +147,57 @@ class ShardPlan:
     def replica_group(self, d: int) -> list[int]:
         return [self.mesh.rank(d, s, e) for s in range(self.mesh.pp) for e in range(self.mesh.ep)]
 
-    def token_source(self, d: int) -> int:
-        """The rank that picks replica d's next tokens (the last stage's first shard) and broadcasts them."""
-        return self.mesh.rank(d, self.mesh.pp - 1, 0)
+    def token_sources(self, d: int) -> list[int]:
+        """The ranks that pick replica d's next tokens and broadcast them: the last stage's first shard (all_reduce:
+        it has every row), or each shard of the last stage for its own rows (all_to_all)."""
+        shards = range(self.mesh.ep) if self.dispatch == "all_to_all" else range(1)
+        return [self.mesh.rank(d, self.mesh.pp - 1, e) for e in shards]
+
+    def rank_rows(self, batch: int, r: int) -> tuple[int, int, int]:
+        """(first row, end row, padded count) of a batch of `batch` rows that rank r computes: its replica's rows,
+        or with all_to_all its shard's part of them, padded to the group's largest part (static buffers)."""
+        d, _, e = self.mesh.coords(r)
+        lo, hi = even_slices(batch, self.mesh.dp)[d]
+        if self.dispatch != "all_to_all":
+            return lo, hi, hi - lo
+        parts = even_slices(hi - lo, self.mesh.ep)
+        return lo + parts[e][0], lo + parts[e][1], parts[0][1] - parts[0][0]
 
     def schedule(self, r: int, cfg: K3Config) -> list[dict]:
-        """Rank r's decode step, in order: recv / run (with its all-reduces) / send / broadcast."""
+        """Rank r's decode step, in order: recv / run (with its collectives) / send / broadcast."""
         p, mesh = self.rank(r), self.mesh
         steps: list[dict] = []
         if not p.first:
             steps.append({"op": "recv", "from": mesh.rank(p.replica, p.stage - 1, p.shard),
                           "tensors": carry_names(cfg, p.layers[0])})
         a, b = p.layers
-        reduces = [{"op": "all_reduce", "tag": i, "group": self.ep_group(r), "shape": ["tokens", cfg.latent_size],
-                    "dtype": "float32"} for i in self.moe_layers if a <= i < b] if mesh.ep > 1 else []
-        steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": reduces})
+        moe = [i for i in self.moe_layers if a <= i < b] if mesh.ep > 1 else []
+        group = self.ep_group(r)
+        if self.dispatch == "all_to_all":
+            calls = [{"op": "all_to_all", "tag": i, "part": k, "tensor": what, "group": group}
+                     for i in moe for k, what in enumerate(A2A_PARTS)]
+        else:
+            calls = [{"op": "all_reduce", "tag": i, "part": 0, "tensor": "latent_partial_sum", "group": group}
+                     for i in moe]
+        steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": calls})
         if not p.last:
             steps.append({"op": "send", "to": mesh.rank(p.replica, p.stage + 1, p.shard),
                           "tensors": carry_names(cfg, b)})
-        steps.append({"op": "broadcast", "from": self.token_source(p.replica), "group": self.replica_group(p.replica),
-                      "tensors": ["tokens"]})
+        for src in self.token_sources(p.replica):
+            steps.append({"op": "broadcast", "from": src, "group": self.replica_group(p.replica),
+                          "tensors": ["tokens"]})
         return steps
 
     def as_record(self) -> dict:
         return {"mesh": {"ep": self.mesh.ep, "pp": self.mesh.pp, "dp": self.mesh.dp}, "cuts": list(self.cuts),
-                "expert_slices": [list(s) for s in self.slices], "moe_layers": list(self.moe_layers)}
+                "expert_slices": [list(s) for s in self.slices], "moe_layers": list(self.moe_layers),
+                "dispatch": self.dispatch}
 
     @classmethod
     def from_record(cls, doc, cfg: K3Config) -> ShardPlan:
         """The plan a manifest records, checked to be the one make_plan gives for its mesh and this config."""
         try:
-            plan = make_plan(cfg, Mesh(**doc["mesh"]))
+            plan = make_plan(cfg, Mesh(**doc["mesh"]), doc["dispatch"])
         except (KeyError, TypeError) as e:
             raise PlanError(f"the recorded plan is malformed ({e})") from None
         if json.dumps(plan.as_record(), sort_keys=True) != json.dumps(doc, sort_keys=True):  # true is not 1 here
@@ -172,10 +205,14 @@ class ShardPlan:
         return plan
 
 
-def make_plan(cfg: K3Config, mesh: Mesh) -> ShardPlan:
+def make_plan(cfg: K3Config, mesh: Mesh, dispatch: str = "all_reduce") -> ShardPlan:
     """The plan of `mesh` for `cfg`, or a PlanError naming what cannot be split."""
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (mesh.ep, mesh.pp, mesh.dp)):
         raise PlanError(f"mesh {mesh}: every degree must be an integer >= 1")
+    if dispatch not in DISPATCH:
+        raise PlanError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH)}")
+    if dispatch == "all_to_all" and mesh.ep == 1:
+        raise PlanError(f"mesh {mesh}: all-to-all dispatch needs ep > 1")
     moe = tuple(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
     if mesh.ep > 1 and not moe:
         raise PlanError(f"mesh {mesh}: {cfg.name} has no MoE layer, so there are no experts to split over ep")
@@ -184,4 +221,5 @@ def make_plan(cfg: K3Config, mesh: Mesh) -> ShardPlan:
                         "would hold none)")
     if mesh.pp > cfg.num_hidden_layers:
         raise PlanError(f"mesh {mesh}: {cfg.num_hidden_layers} layers cannot be split into pp={mesh.pp} stages")
-    return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.ep)), moe)
+    return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.ep)), moe,
+                     dispatch)

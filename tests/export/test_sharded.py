@@ -29,6 +29,9 @@ PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three 
 NEW = 32
 MESHES = ["ep=2", "ep=3", "pp=2", "ep=2,pp=2"]
 MODELS = ["k3-tiny", "kimi-linear"]
+A2A = "all-to-all"
+CASES = [(m, mesh, "all-reduce") for m in MODELS for mesh in MESHES] + [("k3-tiny", "ep=2", A2A),
+                                                                       ("k3-tiny", "ep=3", A2A)]
 # Decode states after 32 steps, distributed vs one process: the expert-parallel all-reduce adds the slices' partial
 # sums, where one process sums all experts in one kernel: fp32 rounding of another order (observed <= 1e-5 on
 # values of order 1). A wrong expert slice or a lost carry tensor moves them by O(1).
@@ -54,14 +57,15 @@ def sources(hf_checkpoint):
 
 @pytest.fixture(scope="session")
 def sharded(sources, tmp_path_factory):
-    """(model, mesh) -> the folder `k3compile export SOURCE --mesh MESH` wrote (built two at a time)."""
+    """(model, mesh, dispatch) -> the folder `k3compile export SOURCE --mesh MESH --dispatch D` wrote (built two at
+    a time)."""
     root = tmp_path_factory.mktemp("sharded")
-    jobs = {(m, mesh): root / f"{m}-{mesh.replace(',', '-').replace('=', '')}" for m in MODELS for mesh in MESHES}
-    jobs[("k3-tiny", "ep=2,dp=2")] = root / "k3-tiny-ep2-dp2"
+    keys = [*CASES, ("k3-tiny", "ep=2,dp=2", "all-reduce")]
+    jobs = {k: root / "-".join(k).replace(",", "-").replace("=", "") for k in keys}
 
     def build(key):
-        model, mesh = key
-        res = cli("export", sources[model], "--mesh", mesh, "-o", str(jobs[key]), "--quiet")
+        model, mesh, dispatch = key
+        res = cli("export", sources[model], "--mesh", mesh, "--dispatch", dispatch, "-o", str(jobs[key]), "--quiet")
         assert res.returncode == 0, res.stderr[-2000:]
         return key
 
@@ -99,45 +103,56 @@ def final_states(backend, tokens: list[list[int]]):
 
 
 def accounted(cfg, plan, rank: int, rows: int) -> dict:
-    """The accounting rule, written out independently of sharding/cost.py: per decode step a rank all-reduces one
-    [rows, latent] fp32 tensor per MoE layer of its stage when ep > 1, sends every carry tensor ([rows, 1, hidden]
-    fp32: the residual and the AttnRes summaries closed before its last layer) to the next stage, and the last
-    stage's first shard broadcasts the rows' int64 tokens."""
+    """The accounting rule, written out independently of sharding/cost.py, for a replica of `rows` rows. All-reduce
+    dispatch: per decode step a rank all-reduces one [rows, latent] fp32 tensor per MoE layer of its stage when
+    ep > 1, sends every carry tensor ([rows, 1, hidden] fp32: the residual and the AttnRes summaries closed before
+    its last layer) to the next stage, and the last stage's first shard broadcasts the rows' int64 tokens.
+    All-to-all: a rank holds ceil(rows / ep) rows (padded), and per MoE layer sends to each of the ep - 1 others a
+    block with room for all its rows x top-k slots, four times: latent vectors (fp32), expert ids (int64), weights
+    (fp32), outputs (fp32); every shard of the last stage broadcasts its rows' tokens."""
     d, s, e = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
     block = cfg.attn_res_block_size
     carry = 1 + (len([i for i in range(b) if i % block == 0]) if block else 0)
     last = s == plan.mesh.pp - 1
-    return {"all_reduce": moe * rows * cfg.latent_size * 4 if plan.mesh.ep > 1 else 0,
+    ep = plan.mesh.ep
+    if plan.dispatch == "all_to_all":
+        held = -(-rows // ep)
+        slot = cfg.latent_size * 4 + 8 + 4 + cfg.latent_size * 4
+        return {"all_reduce": 0, "all_to_all": moe * (ep - 1) * held * cfg.num_experts_per_token * slot,
+                "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0}
+    return {"all_reduce": moe * rows * cfg.latent_size * 4 if ep > 1 else 0, "all_to_all": 0,
             "send": 0 if last else carry * rows * cfg.hidden_size * 4,
             "broadcast": rows * 8 if last and e == 0 else 0}
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", MODELS)
-def test_distributed_decode_equals_eager_and_one_process(model, mesh, sharded, references, tmp_path):
+@pytest.mark.parametrize("model,mesh,dispatch", CASES)
+def test_distributed_decode_equals_eager_and_one_process(model, mesh, dispatch, sharded, references, tmp_path):
     from k3compile.partition import read_sharded
 
     eager, tvm = references[model]
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
     assert generate(tvm, PROMPTS, NEW, eos_token_id=tvm.config.eos_token_id).tokens == want
-    res = run(sharded[(model, mesh)], Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path)))
+    folder = sharded[(model, mesh, dispatch)]
+    res = run(folder, Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path)))
     assert res["tokens"] == want
     assert sum(len(t) for t in want) > 3 * 8  # enough decode steps to mean something
 
-    doc, cfg, plan = read_sharded(sharded[(model, mesh)])
+    doc, cfg, plan = read_sharded(folder)
+    assert plan.dispatch == dispatch.replace("-", "_")
     ref = final_states(tvm, want)
     for r in range(plan.mesh.size):
         got = np.load(tmp_path / f"states.rank{r}.npz")
+        lo, hi, _ = plan.rank_rows(len(PROMPTS), r)  # its rows (all of them, or with all-to-all its share + pads)
         a, b = plan.rank(r).layers
         assert sorted(got.files) == sorted(f"past.{i}.{n}" for i in range(a, b) for n in
                                            (("latent", "k_rope") if cfg.is_mla(i) else ("conv_state",
                                                                                         "recurrent_state")))
         for name in got.files:
             i, which = int(name.split(".")[1]), name.split(".")[2]
-            expect = ref[i][0 if which in ("latent", "conv_state") else 1].numpy()
-            np.testing.assert_allclose(got[name], expect, rtol=0, atol=STATE_ATOL, err_msg=f"rank {r} {name}")
+            expect = ref[i][0 if which in ("latent", "conv_state") else 1].numpy()[lo:hi]
+            np.testing.assert_allclose(got[name][:hi - lo], expect, rtol=0, atol=STATE_ATOL, err_msg=f"rank {r} {name}")
 
     for row in res["ranks"]:
         assert row["decode_steps"] == max(len(t) for t in want) - 1
@@ -149,7 +164,7 @@ def test_data_parallel_replicas_decode_their_rows(sharded, references):
     """dp=2 with ep=2: rows [0, 2) on ranks 0-1, row 2 on ranks 2-3, each replica all-reducing in its own group."""
     eager, _ = references["k3-tiny"]
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
-    res = run(sharded[("k3-tiny", "ep=2,dp=2")], Options(PROMPTS, NEW, threads=1))
+    res = run(sharded[("k3-tiny", "ep=2,dp=2", "all-reduce")], Options(PROMPTS, NEW, threads=1))
     assert res["tokens"] == want
     assert [r["rows"] for r in res["ranks"]] == [2, 2, 1, 1]
     assert [r["bytes_per_step"]["broadcast"] for r in res["ranks"]] == [16, 0, 8, 0]
@@ -166,7 +181,8 @@ def test_two_torchrun_agents_decode_the_same_tokens(sharded, references, tmp_pat
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "k3test",
-           "-m", "k3compile.runtime.worker", str(sharded[("k3-tiny", "ep=2")]), "--max-new-tokens", str(NEW),
+           "-m", "k3compile.runtime.worker", str(sharded[("k3-tiny", "ep=2", "all-reduce")]),
+           "--max-new-tokens", str(NEW),
            *(a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p))))]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [a.communicate(timeout=300) for a in agents]
@@ -178,7 +194,7 @@ def test_two_torchrun_agents_decode_the_same_tokens(sharded, references, tmp_pat
 def test_a_killed_worker_ends_the_run_naming_its_rank(sharded):
     import psutil
 
-    folder = sharded[("k3-tiny", "pp=2")]
+    folder = sharded[("k3-tiny", "pp=2", "all-reduce")]
     proc = subprocess.Popen([sys.executable, "-m", "k3compile.cli", "run", str(folder), "--max-new-tokens", "4000",
                              "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victim = None
@@ -211,7 +227,7 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("damage", ["weights", "missing", "plan"])
 def test_a_damaged_artifact_is_refused_with_one_line(sharded, tmp_path, damage):
-    folder = _copy(sharded[("k3-tiny", "ep=2")], tmp_path)
+    folder = _copy(sharded[("k3-tiny", "ep=2", "all-reduce")], tmp_path)
     if damage == "weights":
         path = folder / "rank1" / "weights.safetensors"
         data = bytearray(path.read_bytes())
@@ -232,7 +248,8 @@ def test_a_damaged_artifact_is_refused_with_one_line(sharded, tmp_path, damage):
 
 
 def test_run_stats_prints_measured_next_to_the_plan(sharded):
-    res = cli("run", str(sharded[("k3-tiny", "ep=2,pp=2")]), "--max-new-tokens", "4", "--stats", "--quiet")
+    folder = sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")]
+    res = cli("run", str(folder), "--max-new-tokens", "4", "--stats", "--quiet")
     assert res.returncode == 0, res.stderr
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith("│")]
     assert len(rows) == 4
@@ -243,18 +260,18 @@ def test_run_stats_prints_measured_next_to_the_plan(sharded):
 def test_the_manifest_names_each_ranks_share(sharded):
     from k3compile.partition import read_sharded
 
-    doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3")])
+    doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3", "all-reduce")])
     assert [r["experts"] for r in doc["ranks"]] == [[0, 3], [3, 6], [6, 8]]  # 8 experts on 3 ranks
     assert doc["builds"] == 2  # slices of 3 share one library, the slice of 2 has its own
     from safetensors import safe_open
 
     def packed(rank):  # the MXFP4 experts, re-laid for the kernel: the only uint8 tensors
-        with safe_open(sharded[("k3-tiny", "ep=3")] / f"rank{rank}" / "weights.safetensors", "np") as f:
+        with safe_open(sharded[("k3-tiny", "ep=3", "all-reduce")] / f"rank{rank}" / "weights.safetensors", "np") as f:
             return [t for t in (f.get_tensor(k) for k in f.keys()) if t.dtype == np.uint8]
 
     assert {t.shape[0] for t in packed(0)} == {3} and {t.shape[0] for t in packed(2)} == {2}  # its experts only
     assert sum(t.nbytes for t in packed(2)) * 3 == sum(t.nbytes for t in packed(0)) * 2
-    pp = read_sharded(sharded[("k3-tiny", "pp=2")])[0]
+    pp = read_sharded(sharded[("k3-tiny", "pp=2", "all-reduce")])[0]
     assert [r["layers"] for r in pp["ranks"]] == [[0, 4], [4, 7]]  # the cut on an AttnRes block edge (size 2)
     assert pp["ranks"][1]["inputs"][:3] == ["carry.hidden", "carry.bank.0", "carry.bank.1"]
 
