@@ -293,3 +293,16 @@ def _default_permissions(folder: Path) -> None:
     for f in folder.iterdir():
         if f.is_file():
             f.chmod(0o666 & ~umask)
+
+
+@contextlib.contextmanager
+def writing(out: str | Path, error: type[UserError], overwrite: bool = False, protect: tuple[Path, ...] = ()):
+    """`with ArtifactWriter(...) as w`, where a refused OUT or a failed write (a full disk, a folder removed under
+    us) is one `error` line saying that nothing was written."""
+    try:
+        with ArtifactWriter(out, overwrite, protect) as w:
+            yield w
+    except ArtifactError as e:
+        raise error(str(e)) from None
+    except OSError as e:
+        raise error(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None

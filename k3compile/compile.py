@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3compile import __version__
-from k3compile.artifact import ArtifactError, ArtifactWriter
+from k3compile.artifact import writing
 from k3compile.interface import (
     CONFIG_FILE,
     DATA_FILE,
@@ -69,45 +69,40 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
         _dump_folder(dump_ir, create=False)  # refused before any work; created once the compile starts
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
-    try:
-        with ArtifactWriter(out, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
-            _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
-            executable.export_library(str(w.path / LIBRARY))
-            tgt = resolve(target)
-            if tgt.gpu:
-                from k3compile.targets.gpu import device_source
+    with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
+        _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
+        executable.export_library(str(w.path / LIBRARY))
+        tgt = resolve(target)
+        if tgt.gpu:
+            from k3compile.targets.gpu import device_source
 
-                (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
-            tuning = None
-            if tune:
-                decode, rows = build_decode(export_dir, target, tune, work, progress=step)
-                decode.export_library(str(w.path / DECODE_LIBRARY))
-                for name in (WORKLOADS, RECORDS):
-                    shutil.copyfile(Path(work) / name, w.path / name)
-                tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
-            save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
-            for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
-                if (export_dir / name).is_file():
-                    shutil.copyfile(export_dir / name, w.path / name)
-            manifest = {
-                "k3compile": __version__,
-                "kind": KIND,
-                "target": target,
-                "tvm_target": resolve(target).describe(),
-                "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
-                "interface": GraphInterface.of(cfg).as_record(),
-                "params": names,
-                **({"tuning": tuning} if tuning else {}),
-                "compile_s": round(time.perf_counter() - t0, 3),
-                "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
-            }
-            write_json(w.path / MANIFEST, manifest)
-            step("renaming into place")
-            w.commit()
-    except ArtifactError as e:
-        raise ExportError(str(e)) from None
-    except OSError as e:
-        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
+            (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
+        tuning = None
+        if tune:
+            decode, rows = build_decode(export_dir, target, tune, work, progress=step)
+            decode.export_library(str(w.path / DECODE_LIBRARY))
+            for name in (WORKLOADS, RECORDS):
+                shutil.copyfile(Path(work) / name, w.path / name)
+            tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
+        save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
+        for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
+            if (export_dir / name).is_file():
+                shutil.copyfile(export_dir / name, w.path / name)
+        manifest = {
+            "k3compile": __version__,
+            "kind": KIND,
+            "target": target,
+            "tvm_target": resolve(target).describe(),
+            "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
+            "interface": GraphInterface.of(cfg).as_record(),
+            "params": names,
+            **({"tuning": tuning} if tuning else {}),
+            "compile_s": round(time.perf_counter() - t0, 3),
+            "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
+        }
+        write_json(w.path / MANIFEST, manifest)
+        step("renaming into place")
+        w.commit()
     return manifest
 
 

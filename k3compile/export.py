@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from k3compile import __version__
-from k3compile.artifact import ArtifactError, ArtifactWriter, check_out
+from k3compile.artifact import ArtifactError, check_out, writing
 from k3compile.config import K3Config
 from k3compile.interface import (
     CONFIG_FILE,
@@ -267,56 +267,51 @@ def export(
         raise ExportError(f"tolerance must be a finite number >= 0, got {tolerance}")
     cfg = model.config
     t0 = time.perf_counter()
-    try:
-        with ArtifactWriter(out, overwrite, protect) as w:
-            step("tracing with torch.export")
-            m = trace_to_onnx(model, opset, ACTIVATIONS[activations])
-            trace_s = time.perf_counter() - t0
-            tmp = w.path
-            summary = summarize(m)
-            weight_bytes = sum(summary["weight_bytes"].values())
-            external = weight_bytes > EXTERNAL_DATA_BYTES
-            step("writing model.onnx" + (" + external weights" if external else ""))
-            onnx.save_model(m, str(tmp / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True,
-                            location=DATA_FILE, size_threshold=1024)
-            step("checking the ONNX model")
-            onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
-            cfg.save(tmp / CONFIG_FILE)
-            gi = GraphInterface.of(cfg)
-            doc = {
-                "k3compile": __version__,
-                "versions": _versions(),
-                "source": source or {},
-                "opset": opset,
-                "ir_version": m.ir_version,
-                "activations": activations,
-                "expert_format": cfg.expert_format,
-                "config_sha256": sha256_file(tmp / CONFIG_FILE),
-                "inputs": {i.name: _shape(i) for i in m.graph.input},
-                "outputs": {o.name: _shape(o) for o in m.graph.output},
-                "interface": gi.as_record(),
-                **summary,
-                "external_data": DATA_FILE if external else None,
-                "file_bytes": sum(f.stat().st_size for f in tmp.iterdir()),
-                "export_s": round(trace_s, 3),
-            }
-            write_record(tmp, doc)  # the parity run opens the folder as any reader does
-            if check is not None:
-                step("checking onnxruntime against eager")
-                doc["parity"] = check(tmp)
-                failed = [r for r in doc["parity"] if not r["max_abs"] <= tolerance]  # a NaN row fails too
-                if failed:
-                    bad = max(failed, key=lambda r: (math.isnan(r["max_abs"]), r["max_abs"]))
-                    raise ExportError(
-                        f"onnxruntime differs from eager by {bad['max_abs']:.3g} ({bad['output']}, {bad['phase']}), "
-                        f"past the tolerance {tolerance:g}; nothing was written (--no-verify skips this check)")
-                write_record(tmp, doc)
-            step("renaming into place")
-            w.commit()
-    except ArtifactError as e:
-        raise ExportError(str(e)) from None
-    except OSError as e:  # a full disk, a folder removed under us
-        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
+    with writing(out, ExportError, overwrite, protect) as w:
+        step("tracing with torch.export")
+        m = trace_to_onnx(model, opset, ACTIVATIONS[activations])
+        trace_s = time.perf_counter() - t0
+        tmp = w.path
+        summary = summarize(m)
+        weight_bytes = sum(summary["weight_bytes"].values())
+        external = weight_bytes > EXTERNAL_DATA_BYTES
+        step("writing model.onnx" + (" + external weights" if external else ""))
+        onnx.save_model(m, str(tmp / MODEL_FILE), save_as_external_data=external, all_tensors_to_one_file=True,
+                        location=DATA_FILE, size_threshold=1024)
+        step("checking the ONNX model")
+        onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
+        cfg.save(tmp / CONFIG_FILE)
+        gi = GraphInterface.of(cfg)
+        doc = {
+            "k3compile": __version__,
+            "versions": _versions(),
+            "source": source or {},
+            "opset": opset,
+            "ir_version": m.ir_version,
+            "activations": activations,
+            "expert_format": cfg.expert_format,
+            "config_sha256": sha256_file(tmp / CONFIG_FILE),
+            "inputs": {i.name: _shape(i) for i in m.graph.input},
+            "outputs": {o.name: _shape(o) for o in m.graph.output},
+            "interface": gi.as_record(),
+            **summary,
+            "external_data": DATA_FILE if external else None,
+            "file_bytes": sum(f.stat().st_size for f in tmp.iterdir()),
+            "export_s": round(trace_s, 3),
+        }
+        write_record(tmp, doc)  # the parity run opens the folder as any reader does
+        if check is not None:
+            step("checking onnxruntime against eager")
+            doc["parity"] = check(tmp)
+            failed = [r for r in doc["parity"] if not r["max_abs"] <= tolerance]  # a NaN row fails too
+            if failed:
+                bad = max(failed, key=lambda r: (math.isnan(r["max_abs"]), r["max_abs"]))
+                raise ExportError(
+                    f"onnxruntime differs from eager by {bad['max_abs']:.3g} ({bad['output']}, {bad['phase']}), "
+                    f"past the tolerance {tolerance:g}; nothing was written (--no-verify skips this check)")
+            write_record(tmp, doc)
+        step("renaming into place")
+        w.commit()
     log.info("exported %s in %.1fs", out, time.perf_counter() - t0)
     return doc
 

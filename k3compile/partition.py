@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from k3compile import __version__
-from k3compile.artifact import ArtifactError, ArtifactWriter
+from k3compile.artifact import writing
 from k3compile.config import K3Config
 from k3compile.interface import (
     CONFIG_FILE,
@@ -314,66 +314,61 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     traced: dict[tuple, object] = {}  # (stage, slice size) -> a traced graph of that shape
     ranks = []
     sliced = mesh.ep > 1
-    try:
-        with ArtifactWriter(out, overwrite, source_paths(rec)) as w:
-            files: dict[str, str] = {}
-            for p in plan.ranks():
-                tag = f"rank {p.rank}/{mesh.size}"
-                step(f"{tag}: reading its tensors")
-                state = src.state(cfg, p, plan)
-                inputs, outputs = rank_io(cfg, p, sliced)
-                shape_key = (p.stage, p.experts[1] - p.experts[0])
-                proto = swap_weights(traced[shape_key], state) if shape_key in traced else None
-                if proto is None:
-                    model = rank_model(cfg, state, p, sliced, plan)
-                    sample, shapes = rank_sample(cfg, p, sliced)
-                    latent = next((n for n in inputs if n.endswith(".latent")), None)
-                    step(f"{tag}: tracing layers [{p.layers[0]}, {p.layers[1]}), experts [{p.experts[0]}, "
-                         f"{p.experts[1]})")
-                    proto = trace_graph(RankGraph(model, p, forms), sample, shapes, inputs, outputs, opset, latent)
-                    traced[shape_key] = proto
-                    del model
-                del state
-                key = structure_key(proto)
-                if key in builds:
-                    built_by, executable, names = builds[key]
-                    step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
-                    _, _, raw = to_relax(proto, keep_params=True)
-                    vm = relax.VirtualMachine(executable, tvm.cpu())
-                    weights = list(vm["main_transform_params"](list(raw)))
-                else:
-                    _, executable, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
-                        f"{t}: {m}"))
-                    builds[key] = (p.rank, executable, names)
-                    built_by = p.rank
-                folder = w.path / rank_dir(p.rank)
-                folder.mkdir()
-                executable.export_library(str(folder / LIBRARY))
-                save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
-                del weights, proto
-                ranks.append({"rank": p.rank, "replica": p.replica, "stage": p.stage, "shard": p.shard,
-                              "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
-                              "outputs": outputs, "params": names, "built_with": built_by,
-                              "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}",
-                              "schedule": plan.schedule(p.rank, cfg)})
-            cfg.save(w.path / CONFIG_FILE)
-            for f in sorted(w.path.rglob("*")):
-                if f.is_file():
-                    files[f.relative_to(w.path).as_posix()] = sha256_file(f)
-            manifest = {
-                "k3compile": __version__, "kind": KIND, "target": target, "tvm_target": resolve(target).describe(),
-                "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
-                "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
-                "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
-                "build_s": round(time.perf_counter() - t0, 3), "files": files,
-            }
-            write_json(w.path / MANIFEST, manifest)
-            step("renaming into place")
-            w.commit()
-    except ArtifactError as e:
-        raise ExportError(str(e)) from None
-    except OSError as e:
-        raise ExportError(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
+    with writing(out, ExportError, overwrite, source_paths(rec)) as w:
+        files: dict[str, str] = {}
+        for p in plan.ranks():
+            tag = f"rank {p.rank}/{mesh.size}"
+            step(f"{tag}: reading its tensors")
+            state = src.state(cfg, p, plan)
+            inputs, outputs = rank_io(cfg, p, sliced)
+            shape_key = (p.stage, p.experts[1] - p.experts[0])
+            proto = swap_weights(traced[shape_key], state) if shape_key in traced else None
+            if proto is None:
+                model = rank_model(cfg, state, p, sliced, plan)
+                sample, shapes = rank_sample(cfg, p, sliced)
+                latent = next((n for n in inputs if n.endswith(".latent")), None)
+                step(f"{tag}: tracing layers [{p.layers[0]}, {p.layers[1]}), experts [{p.experts[0]}, "
+                     f"{p.experts[1]})")
+                proto = trace_graph(RankGraph(model, p, forms), sample, shapes, inputs, outputs, opset, latent)
+                traced[shape_key] = proto
+                del model
+            del state
+            key = structure_key(proto)
+            if key in builds:
+                built_by, executable, names = builds[key]
+                step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
+                _, _, raw = to_relax(proto, keep_params=True)
+                vm = relax.VirtualMachine(executable, tvm.cpu())
+                weights = list(vm["main_transform_params"](list(raw)))
+            else:
+                _, executable, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
+                    f"{t}: {m}"))
+                builds[key] = (p.rank, executable, names)
+                built_by = p.rank
+            folder = w.path / rank_dir(p.rank)
+            folder.mkdir()
+            executable.export_library(str(folder / LIBRARY))
+            save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
+            del weights, proto
+            ranks.append({"rank": p.rank, "replica": p.replica, "stage": p.stage, "shard": p.shard,
+                          "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
+                          "outputs": outputs, "params": names, "built_with": built_by,
+                          "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}",
+                          "schedule": plan.schedule(p.rank, cfg)})
+        cfg.save(w.path / CONFIG_FILE)
+        for f in sorted(w.path.rglob("*")):
+            if f.is_file():
+                files[f.relative_to(w.path).as_posix()] = sha256_file(f)
+        manifest = {
+            "k3compile": __version__, "kind": KIND, "target": target, "tvm_target": resolve(target).describe(),
+            "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
+            "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
+            "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
+            "build_s": round(time.perf_counter() - t0, 3), "files": files,
+        }
+        write_json(w.path / MANIFEST, manifest)
+        step("renaming into place")
+        w.commit()
     return manifest
 
 
