@@ -17,6 +17,8 @@ from pathlib import Path
 
 from k3compile.runtime.worker import Options, RuntimeFault, decode
 
+SHUTDOWN_S = 5  # seconds a worker has to exit on SIGTERM when the run ends (torch's failure path keeps its own 30)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -49,16 +51,18 @@ def run(folder: str | Path, options: Options, log_dir: str | Path | None = None)
         options.threads = default_threads(plan.mesh.size)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.mesh.size, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    quiet = logging.getLogger("torch.distributed.elastic")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)  # the agent logs each failure at length; the one line below says it
+                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S)
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)  # the agent logs each failure at length; the one line below says it
     try:
         out = elastic_launch(config, decode)(str(folder.resolve()), options)
     except ChildFailedError as e:
         raise RuntimeFault(failure_line(e)) from None
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     return summarize(folder, out[0]["results"])
 
 
@@ -75,7 +79,9 @@ def failure_line(e) -> str:
         msg = str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
         why = msg.split(": ", 1)[1] if msg.startswith(("RuntimeFault: ", "RuntimeError: ", "DistBackendError: ")) \
             else (msg or f"exit code {f.exitcode}")
-    return f"rank {rank} failed: {why}"[:400] + " (the other ranks were stopped)"
+        if why.startswith(f"rank {rank}: "):  # a RuntimeFault names its rank already
+            why = why[len(f"rank {rank}: "):]
+    return f"rank {rank} failed: {why}"[:500] + " (the other ranks were stopped)"
 
 
 def summarize(folder: str | Path, results: list[dict]) -> dict:

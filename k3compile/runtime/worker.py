@@ -5,9 +5,9 @@ A worker is one process of a torch.distributed world (gloo on CPU), started by t
 each of several machines. It checks its own files against the manifest (partition.read_sharded), loads its library
 and weight shard into the Relax VM, and runs its step schedule for every token:
 
-    recv the carry from the previous stage -> run its layers (each MoE layer's latent partial sum all-reduced over
-    its expert-parallel group, inside the graph: ops/collectives.py) -> send the carry on -> the new tokens are
-    broadcast from the last stage to every rank of the replica.
+    recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
+    latent partial sums, or all-to-all dispatch and combine, over its expert-parallel group: ops/collectives.py)
+    -> send the carry on -> the new tokens are broadcast from the last stage to every rank of the replica.
 
 Tensors cross between TVM and torch by DLPack (no copies). Every collective checks its place in the schedule and
 counts the payload bytes it hands over (`Stats`), which `run --stats` prints beside the plan's prediction. A peer
@@ -77,14 +77,15 @@ class Rank:
         self.schedule = self.entry["schedule"]
         self.stats = Stats()
         mesh = self.plan.mesh
-        # every rank creates every group, in one order (torch.distributed's rule)
+        # every rank creates every group, in one order (torch.distributed's rule); a group's timeout is its own
+        timeout = datetime.timedelta(seconds=options.timeout)
         self.ep_group = self.replica = None
         for d in range(mesh.dp):
             for s in range(mesh.pp):
-                g = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)])
+                g = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)], timeout=timeout)
                 if (d, s) == (self.p.replica, self.p.stage):
                     self.ep_group = g
-            g = dist.new_group(self.plan.replica_group(d))
+            g = dist.new_group(self.plan.replica_group(d), timeout=timeout)
             if d == self.p.replica:
                 self.replica = g
         self._load(folder)
@@ -115,21 +116,32 @@ class Rank:
                                f"({self._calls[:1] or 'none left'})")
         self._calls.pop(0)
         nbytes = x.numel() * x.element_size()
+        peers = self.plan.ep_group(self.p.rank)
         if op == "all_reduce":
             self.stats.add(op, nbytes)
             out.copy_(x)
-            dist.all_reduce(out, group=self.ep_group)
+            self._talk(f"the all-reduce of layer {tag}", peers, dist.all_reduce, out, group=self.ep_group)
         else:  # the blocks for the other ranks leave this one
             group = self.plan.mesh.ep
             self.stats.add(op, nbytes // group * (group - 1))
-            dist.all_to_all_single(out, x.contiguous(), group=self.ep_group)
+            self._talk(f"the all-to-all of layer {tag}", peers, dist.all_to_all_single, out, x.contiguous(),
+                       group=self.ep_group)
+
+    def _talk(self, what: str, peers: list[int], fn, *args, **kw) -> None:
+        """A torch.distributed call whose failure (a dead peer, a timeout) names this rank and its peers."""
+        try:
+            fn(*args, **kw)
+        except (RuntimeError, OSError) as e:  # gloo's errors (DistBackendError is a RuntimeError)
+            others = [r for r in peers if r != self.p.rank]
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RuntimeFault(f"rank {self.p.rank}: {what} with rank(s) {others} failed ({why})") from None
 
     def send(self, tensors, to: int) -> None:
         import torch.distributed as dist
 
         for t in tensors:
             self.stats.add("send", t.numel() * t.element_size())
-            dist.send(t.contiguous(), dst=to)
+            self._talk("sending the carry", [to], dist.send, t.contiguous(), dst=to)
 
     def recv(self, shapes, src: int):
         import torch
@@ -137,7 +149,7 @@ class Rank:
 
         out = [torch.empty(s, dtype=torch.float32) for s in shapes]
         for t in out:
-            dist.recv(t, src=src)
+            self._talk("receiving the carry", [src], dist.recv, t, src=src)
         return out
 
     def broadcast(self, t, src: int) -> None:
@@ -145,7 +157,8 @@ class Rank:
 
         if self.p.rank == src:
             self.stats.add("broadcast", t.numel() * t.element_size())
-        dist.broadcast(t, src=src, group=self.replica)
+        self._talk("the broadcast of the tokens", [src] if src != self.p.rank else
+                   self.plan.replica_group(self.p.replica), dist.broadcast, t, src=src, group=self.replica)
 
     # ---- one step of the schedule ---------------------------------------------------------------------------------
     def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]]):
@@ -312,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         res = decode(args.folder, Options(prompts, args.max_new_tokens, threads=args.threads, timeout=args.timeout,
                                           states_dir=args.states_dir))
     except UserError as e:
-        print(f"Error: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr)
+        rank = f"rank {os.environ.get('RANK', '?')}"
+        print(f"Error: {e}" if str(e).startswith(rank + ":") else f"Error: {rank}: {e}", file=sys.stderr)
         sys.exit(1)
     if res["rank"] == 0:
         print(json.dumps(summarize(args.folder, res["results"])))
