@@ -36,7 +36,7 @@ def _code_digest() -> str:
     from k3compile import passes, targets
 
     digest = hashlib.sha256()
-    for root in {Path(m.__file__).parent for m in (k3compile, passes, targets)}:
+    for root in sorted({Path(m.__file__).parent for m in (k3compile, passes, targets)}):  # a set's order varies
         for f in sorted(root.rglob("*.py")):
             digest.update(str(f.relative_to(root)).encode())
             digest.update(f.read_bytes())

@@ -1,0 +1,18 @@
+"""The build cache's key is the same in every process (docs/architecture.md, "Build cache"): string hashing is
+seeded per process, so anything iterated from a set must be ordered first, or a cached build is never found again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_the_code_digest_is_the_same_in_every_process():
+    code = "from k3compile.cache import _code_digest; print(_code_digest())"
+    digests = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        digests.add(res.stdout.strip())
+    assert len(digests) == 1, digests
