@@ -9,6 +9,7 @@ results into the tokens per prompt, the decode speed and each rank's bytes per c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -32,7 +33,7 @@ def default_threads(world: int) -> int:
     return max(1, available_cores() // world)
 
 
-def run(folder: str | Path, options: Options, log_dir: str | Path | None = None) -> dict:
+def run(folder: str | Path, options: Options) -> dict:
     """Decode with every rank of OUT's mesh as a process of this machine; returns summarize()'s document."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -48,7 +49,7 @@ def run(folder: str | Path, options: Options, log_dir: str | Path | None = None)
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
     if options.threads is None:
-        options.threads = default_threads(plan.mesh.size)
+        options = dataclasses.replace(options, threads=default_threads(plan.mesh.size))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.mesh.size, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S)
