@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from k3compile.runtime.launch import summarize
+    from k3compile.runtime.report import summarize
 
     ap = argparse.ArgumentParser(prog="k3compile.runtime.worker")
     ap.add_argument("folder")
