@@ -204,7 +204,6 @@ class RankSource:
 
         self.source, self.seed, self.experts = source, seed, experts
         self.checkpoint = kind_of(source) == CHECKPOINT
-        self._state: dict[str, Tensor] | None = None
         if self.checkpoint:  # names and the stored expert format from the files' headers; no tensor read yet
             from k3compile.checkpoint import _files, _scan
             from k3compile.config import read_config
@@ -215,22 +214,23 @@ class RankSource:
             self.config = self.config.replace(expert_format=stored)
             self._fmt = stored if experts == "auto" else experts
         else:
+            from k3compile.model.state_dict_adapter import to_checkpoint
             from k3compile.source import load_model
 
             model = load_model(source, seed=seed, experts=experts)
-            self.config, self._state = model.config, model.state_dict()
-            self._fmt = self.config.expert_format
+            self.config, self._fmt = model.config, model.config.expert_format
+            self._tensors = to_checkpoint(model.state_dict(), self.config, "kimi_linear")  # once, not per rank
 
     def rank_config(self) -> K3Config:
         return self.config.replace(expert_format=self._fmt)
 
     def state(self, cfg: K3Config, p: RankPlan, plan: ShardPlan) -> dict[str, Tensor]:
-        from k3compile.model.state_dict_adapter import Selection, convert_experts, from_checkpoint, to_checkpoint
+        from k3compile.model.state_dict_adapter import Selection, convert_experts, from_checkpoint
 
         select = Selection(p.layers if plan.mesh.pp > 1 else None, p.experts if plan.mesh.ep > 1 else None)
         if not self.checkpoint:
-            tensors = {k: v for k, v in to_checkpoint(self._state, cfg, "kimi_linear").items() if select.keeps(k, cfg)}
-            return from_checkpoint(tensors, cfg, "kimi_linear")
+            return from_checkpoint({k: v for k, v in self._tensors.items() if select.keeps(k, cfg)}, cfg,
+                                   "kimi_linear")
         from k3compile.checkpoint import load_state
 
         stored, state, _ = load_state(self.source, select=select)
