@@ -5,8 +5,10 @@ The rules (docs/architecture.md, "Writing OUT"):
   flock-ed while it works. The finished folder is renamed into place at the end, so a failed or interrupted run
   leaves no OUT and no half-written artifact.
 - `--overwrite` replaces only a folder that is itself a k3compile artifact (it has a record file naming
-  k3compile), and never the current folder, an ancestor of it, the SOURCE or a folder that contains the SOURCE.
-  The old OUT is moved into the work folder first, the new one renamed in, and only then is the old one deleted.
+  k3compile) and that holds nothing but what that record lists (`foreign_entries`): a file or folder of the user's
+  inside it (notes, another artifact compiled into a subfolder) is refused, named, and kept. Never the current
+  folder, an ancestor of it, the SOURCE or a folder that contains the SOURCE. The old OUT is moved into the work
+  folder first, the new one renamed in, and only then is the old one deleted.
 - The swap runs with SIGINT / SIGTERM held back and under an flock on the parent folder, and it checks that OUT is
   still what it was at the start: of two runs writing the same OUT at once, the second fails cleanly.
 - SIGTERM raises `Terminated` (like SIGINT's KeyboardInterrupt), so the work folder is removed on `timeout` or a CI
@@ -42,6 +44,8 @@ TARGET_FILE = "target"  # OUT's name, so that a sweep can put a moved-aside old 
 NEW_DIR = "new"
 OLD_DIR = "old"
 RECORD_FILES = ("export.json", "manifest.json")  # a folder holding one of these (naming k3compile) is ours
+# what an export wrote before its record listed its files (export.json's "files"), and so may be replaced
+LEGACY_EXPORT_FILES = ("model.onnx", "model.onnx.data", "config.json", "export.json")
 
 
 class ArtifactError(UserError):
@@ -112,6 +116,64 @@ def is_artifact(folder: Path) -> bool:
     return False
 
 
+def _record(folder: Path, name: str) -> dict | None:
+    p = folder / name
+    if not p.is_file() or p.is_symlink():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and "k3compile" in doc else None
+
+
+def listed_files(folder: Path) -> set[str]:
+    """The files (relative POSIX paths) that the records in `folder` say a k3compile run wrote there: a manifest's
+    `files` and an export record's `files` (an older export record: the export's fixed names), the records too."""
+    owned: set[str] = set()
+    manifest = _record(folder, "manifest.json")
+    if manifest is not None:
+        owned.add("manifest.json")
+        files = manifest.get("files")
+        if isinstance(files, dict):
+            owned |= {k for k in files if isinstance(k, str)}
+    export = _record(folder, "export.json")
+    if export is not None:
+        files = export.get("files")
+        owned |= ({f for f in files if isinstance(f, str)} if isinstance(files, list) else set(LEGACY_EXPORT_FILES))
+        owned.add("export.json")
+    return owned
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What in `folder` no k3compile record there lists: files, links and folders a user put there (a folder that
+    only holds listed files is ours). Sorted, as relative POSIX paths."""
+    owned = listed_files(folder)
+    parents = {p.as_posix() for name in owned for p in Path(name).parents if p != Path(".")}
+    foreign = []
+    for root, dirs, files in os.walk(folder):
+        rel = Path(root).relative_to(folder)
+        for name in sorted(dirs):
+            path = (rel / name).as_posix()
+            if (Path(root) / name).is_symlink() or path not in parents:
+                foreign.append(path + "/")
+        dirs[:] = [d for d in dirs if (rel / d).as_posix() in parents and not (Path(root) / d).is_symlink()]
+        for name in sorted(files):
+            path = (rel / name).as_posix()
+            if path not in owned or (Path(root) / name).is_symlink():
+                foreign.append(path)
+    return sorted(foreign)
+
+
+def _check_replaceable(out: Path, target: Path) -> None:
+    foreign = foreign_entries(target)
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise ArtifactError(f"{out} holds {foreign[0]}{more}, which no earlier k3compile run wrote there; "
+                            "--overwrite replaces only the files an artifact's record lists, so nothing was changed "
+                            "(move it out, or write to another folder)")
+
+
 def _identity(path: Path):
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -154,6 +216,7 @@ def check_out(out: str | Path, overwrite: bool, protect: tuple[Path, ...] = ()) 
             if not is_artifact(target):
                 raise ArtifactError(f"{out} is not a k3compile artifact (no {' or '.join(RECORD_FILES)}); "
                                     "--overwrite replaces only an earlier k3compile output")
+            _check_replaceable(out, target)
     parent = target.parent
     for p in (parent, *parent.parents):
         if p.exists():
@@ -260,6 +323,8 @@ class ArtifactWriter:
                 what = "appeared" if self._start is None else "changed"
                 raise ArtifactError(f"{self.out}: {what} while this run was working (another export to the same "
                                     "folder?); nothing was written")
+            if now is not None:
+                _check_replaceable(self.out, self.target)  # again: a file may have been added meanwhile
             try:
                 if now is not None:
                     os.rename(self.target, self.work / OLD_DIR)
@@ -306,3 +371,17 @@ def writing(out: str | Path, error: type[UserError], overwrite: bool = False, pr
         raise error(str(e)) from None
     except OSError as e:
         raise error(f"{out}: writing failed ({e.strerror or e}); nothing was written") from None
+    except Exception as e:  # a full disk seen by a tool of ours (TVM's linker, safetensors) that raises its own type
+        why = _disk_full(e)
+        if why is None:
+            raise
+        raise error(f"{out}: writing failed ({why}); nothing was written") from None
+
+
+_FULL = ("No space left on device", "Disk quota exceeded")  # strerror(ENOSPC), strerror(EDQUOT)
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """The reason, when an exception of another library's type says the disk (or the quota) is full."""
+    text = str(e)
+    return next((why for why in _FULL if why in text), None)

@@ -26,7 +26,6 @@ Sections:
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -36,19 +35,39 @@ from pathlib import Path
 
 BACKENDS = ("eager", "onnx", "tvm")
 PROMPT = 16
+WARMUP_STEPS = 2  # decode steps before the measured ones
+MESH_PROMPT = 8  # run_mesh_bench's prompt length
 PAUSE_S = 0.5
+MAX_REPEATS = 1000  # a bound for typos: medians settle after a handful
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def set_threads(n: int) -> None:
-    """torch's intra-op threads and TVM's pool (TVM reads TVM_NUM_THREADS when its pool starts)."""
-    import torch
+def check_run(config, backends: tuple[str, ...], decode_batches: tuple[int, ...], decode_steps: int,
+              prefill: tuple[int, ...], prompt: int = PROMPT) -> None:
+    """Refuse, before any build, runs that `config` or this machine cannot hold (docs/architecture.md, "Errors"):
+    tokens past max_position_embeddings, or a step that does not fit in memory beside the weights of every backend
+    (all are loaded at once; sizing.check_step_fits). Each error line names its option and the limit."""
+    from k3compile.config import ConfigError
+    from k3compile.sizing import check_step_fits, model_size
 
-    os.environ["TVM_NUM_THREADS"] = str(n)
-    torch.set_num_threads(n)
+    limit = config.max_position_embeddings
+    for length in prefill:
+        if length > limit:
+            raise ConfigError(f"--prefill {length}: longer than {config.name}'s max_position_embeddings ({limit})")
+    steps = max(decode_steps, WARMUP_STEPS)
+    if prompt + steps > limit:
+        raise ConfigError(f"--decode-steps {decode_steps}: a run of {prompt + steps} positions exceeds {config.name}'s "
+                          f"max_position_embeddings ({limit})")
+    weights = len(backends) * model_size(config).resident_bytes
+    for length in prefill:
+        check_step_fits(config, f"--prefill {length}", 1, length, weights=weights)
+    for batch in decode_batches:  # the prompt's step, and the last decode step's cache
+        check_step_fits(config, f"--decode-batches {batch}", batch, prompt, weights=weights)
+        check_step_fits(config, f"--decode-batches {batch}", batch, 1, prompt + steps - 1, weights=weights)
+
 
 
 def memory_bandwidth(gib: float = 0.5, reps: int = 5) -> float:
@@ -116,7 +135,9 @@ def load_probe(kind: str, folder: str, threads: int) -> dict:
     """Run in a fresh process: load one backend, one decode step, report load time and peak RSS."""
     import torch
 
-    set_threads(threads)
+    from k3compile.threads import use_threads
+
+    use_threads(threads)
     t = time.perf_counter()
     engine = _open(kind, folder, threads)
     load_s = time.perf_counter() - t
@@ -296,11 +317,12 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     from k3compile.cache import cached_artifact, cached_export
     from k3compile.compile import WEIGHTS, read_manifest
     from k3compile.config import read_config
-    from k3compile.threads import available_cores
+    from k3compile.presets import load_config
+    from k3compile.threads import available_cores, use_threads
 
+    check_run(load_config(source), backends, decode_batches, decode_steps, prefill)
     step = progress or (lambda msg: None)
-    threads = threads or available_cores()
-    set_threads(threads)
+    threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
                else str(cached_export(source, progress=step)) for name in backends}
@@ -324,7 +346,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     for batch in decode_batches:
         step(f"decode, batch {batch}")
         for engine in engines.values():  # warm-up: allocations and first-call compilation are not the figure
-            _decode_once(engine, batch, 2, vocab)
+            _decode_once(engine, batch, WARMUP_STEPS, vocab)
         rows = _interleaved(engines, repeats, lambda e, b=batch: _decode_once(e, b, decode_steps, vocab))
         result["decode"][str(batch)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
     for length in prefill:
@@ -377,7 +399,7 @@ def chart(result: dict, path: str | Path) -> None:
         ax.set_ylabel("tokens/s")
     fig.suptitle(f"{result['source']}, {result['threads']} threads, median of {result['repeats']}")
     fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
+    fig.savefig(str(path), dpi=100, format="png")  # whatever the file's name ends with (a temporary name)
 
 
 def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: int = 32, repeats: int = 3,
@@ -394,17 +416,24 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
 
     from k3compile.cache import cached_sharded
     from k3compile.config import read_config
+    from k3compile.presets import load_config
     from k3compile.runtime.launch import default_threads, run
     from k3compile.runtime.worker import Options
-    from k3compile.sharding import Mesh
+    from k3compile.sharding import Mesh, PlanError, make_plan
     from k3compile.threads import available_cores
 
     step = progress or (lambda msg: None)
     runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 else ("all_reduce",))]
+    config = load_config(source)
+    for m, d in runs:  # every mesh refused before the first is built
+        mesh = make_plan(config, Mesh.parse(m), d).mesh
+        if mesh.dp > batch:
+            raise PlanError(f"--mesh {m}: dp={mesh.dp} needs a batch of at least {mesh.dp} (--decode-batches)")
+    check_run(config, ("tvm",), (batch,), steps, (), MESH_PROMPT + 1)  # its first new token is the prompt's
     folders = {f"{m} {d}": cached_sharded(source, m, progress=step, dispatch=d) for m, d in runs}
     vocab = read_config(next(iter(folders.values())) / "config.json").vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (8,), generator=gen).tolist() for _ in range(batch)]
+    prompts = [torch.randint(0, vocab, (MESH_PROMPT,), generator=gen).tolist() for _ in range(batch)]
     speed: dict[str, list[float]] = {k: [] for k in folders}
     last: dict[str, dict] = {}
     for r in range(repeats):

@@ -1,13 +1,15 @@
 """The build cache: exports and compiled artifacts made on a user's behalf (`generate SOURCE --backend onnx|tvm`,
-`k3compile bench`), kept under `~/.cache/k3compile` (or `$K3COMPILE_CACHE`) and reused (docs/architecture.md,
-"Build cache").
+`k3compile bench`), kept in the user's private folder (cachedir.py: `~/.cache/k3compile` or `$K3COMPILE_CACHE`,
+0700) and reused (docs/architecture.md, "Build cache").
 
 An entry's folder name is the sha256 of what determines its content: the source record (preset and seed, or the
-resolved path of a config / checkpoint with the size and mtime of each of its files), the export options, the
-target, the versions of k3compile, torch, onnx, onnxruntime and TVM, and a hash of k3compile's own source. An entry
-is reused only once it opens cleanly (an export's record and hashes, an artifact's manifest with every file's
-sha256); a damaged one is built again in place (it is this cache's own folder). Entries are written like every OUT
-(artifact.ArtifactWriter), so an interrupted build leaves nothing half-written.
+resolved path of a config / checkpoint with the digest of its content), the export options, the target, the
+versions of k3compile, torch, onnx, onnxruntime and TVM, and a hash of k3compile's own source. Beside each entry,
+`<name>.tag` holds an HMAC (cachedir's key) of every file the entry holds: an entry is reused only when its tag
+holds and it opens cleanly (an export's record and hashes, an artifact's manifest with every file's sha256); a
+missing, damaged, edited or planted one is removed (it is in the cache's own folder) and built again, never loaded.
+Building runs under the entry's lock, so two processes asking for the same entry at once build it once. Entries are
+written like every OUT (artifact.ArtifactWriter), so an interrupted build leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -15,17 +17,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
+import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from k3compile import __version__
-from k3compile.interface import ExportError
+from k3compile import __version__, cachedir
+from k3compile.interface import ExportError, sha256_file
+
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    env = os.environ.get("K3COMPILE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "k3compile"
+    """The checked cache folder (cachedir.root: private to the user, a folder of its own)."""
+    return cachedir.root()
 
 
 @functools.cache
@@ -53,18 +58,66 @@ def _versions() -> dict:
             "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__}
 
 
-def _files_of(record: dict) -> list:
-    """(name, size, mtime_ns) of a checkpoint's or config's files: a changed file is another entry."""
-    p = Path(record["source"])
-    if not p.exists():
-        return []
-    files = sorted(p.iterdir()) if p.is_dir() else [p]
-    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-
-
 def entry_key(kind: str, record: dict, options: dict) -> str:
-    doc = {"kind": kind, "source": record, "files": _files_of(record), "options": options, "versions": _versions()}
+    """The entry's name: a hash of the source record (a checkpoint's or config's content digest included, see
+    source.record), the options and the versions."""
+    doc = {"kind": kind, "source": record, "options": options, "versions": _versions()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _contents(folder: Path) -> dict:
+    """What an entry holds: every file's relative path and sha256 (what its tag covers)."""
+    return {f.relative_to(folder).as_posix(): sha256_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _tag_file(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".tag")
+
+
+def _authentic(folder: Path) -> bool:
+    """The entry is there and holds exactly what this user's k3compile put there (its tag holds)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    try:
+        value = _tag_file(folder).read_text().strip()
+    except OSError:
+        return False
+    return cachedir.tag_matches({"entry": folder.name, "files": _contents(folder)}, value)
+
+
+def _cached(kind: str, key: str, opener: Callable[[Path], object], build: Callable[[Path], object],
+            progress: Callable[[str], None] | None = None) -> Path:
+    """The entry kind/key: reused when authentic and it opens cleanly, else (missing, damaged, edited, planted)
+    removed and built again. Under the entry's lock: a second process building the same entry waits for the first
+    and reuses its entry."""
+    folder = cache_root() / kind / key
+    with cachedir.locked(key):
+        if _authentic(folder):
+            try:
+                opener(folder)
+                return folder
+            except ExportError:
+                pass
+        if folder.exists() or folder.is_symlink() or _tag_file(folder).exists():
+            log.info("rebuilding the cache entry %s (missing its tag, damaged or not made here)", folder)
+            (progress or (lambda msg: None))(f"discarding the cache entry {folder}: not authentic or damaged")
+            _discard(folder)
+        try:
+            folder.parent.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise cachedir.CacheError(f"cannot write into {folder.parent} ({e.strerror or e})") from None
+        build(folder)
+        _tag_file(folder).write_text(cachedir.tag({"entry": folder.name, "files": _contents(folder)}) + "\n")
+    return folder
+
+
+def _discard(folder: Path) -> None:
+    """Remove an entry of the cache's own folder (never outside it: a link is removed, not followed)."""
+    _tag_file(folder).unlink(missing_ok=True)
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.is_dir():
+        shutil.rmtree(folder)
 
 
 def cached_export(source: str, seed: int = 0, weights: str = "auto", activations: str = "none",
@@ -75,18 +128,15 @@ def cached_export(source: str, seed: int = 0, weights: str = "auto", activations
     from k3compile.pipeline import export_checked
 
     record = sources.record(source, seed, weights)
-    folder = cache_root() / "exports" / entry_key("export", record, {"activations": activations})
-    try:
-        open_export(folder, graph=True)
-        return folder
-    except ExportError:
-        pass
     step = progress or (lambda msg: None)
-    step(f"exporting {source} into the cache ({folder})")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    model = sources.load_model(source, seed=seed, experts=weights)
-    export_checked(model, folder, activations=activations, overwrite=True, source=record, progress=progress)
-    return folder
+
+    def build(folder: Path) -> None:
+        step(f"exporting {source} into the cache ({folder})")
+        model = sources.load_model(source, seed=seed, experts=weights)
+        export_checked(model, folder, activations=activations, source=record, progress=progress)
+
+    return _cached("exports", entry_key("export", record, {"activations": activations}),
+                   lambda f: open_export(f, graph=True), build, progress)
 
 
 def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: str = "auto",
@@ -97,17 +147,15 @@ def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: s
     from k3compile.targets import resolve
 
     record = sources.record(source, seed, weights)
-    folder = cache_root() / "artifacts" / entry_key(
-        "artifact", record, {"activations": activations, "target": resolve(target).describe()})
-    try:
-        read_manifest(folder)
-        return folder
-    except ExportError:
-        pass
-    export = cached_export(source, seed, weights, activations, progress)
-    (progress or (lambda msg: None))(f"compiling {source} for {target} into the cache ({folder})")
-    compile_export(export, folder, target=target, overwrite=True, progress=progress)
-    return folder
+
+    def build(folder: Path) -> None:
+        export = cached_export(source, seed, weights, activations, progress)
+        (progress or (lambda msg: None))(f"compiling {source} for {target} into the cache ({folder})")
+        compile_export(export, folder, target=target, progress=progress)
+
+    return _cached("artifacts", entry_key("artifact", record, {"activations": activations,
+                                                               "target": resolve(target).describe()}),
+                   read_manifest, build, progress)
 
 
 def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, weights: str = "auto",
@@ -120,15 +168,12 @@ def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, 
 
     parsed = Mesh.parse(mesh)
     record = sources.record(source, seed, weights)
-    folder = cache_root() / "sharded" / entry_key("sharded", record, {"mesh": str(parsed), "dispatch": dispatch,
-                                                                      "target": resolve(target).describe()})
-    try:
-        read_sharded(folder)
-        return folder
-    except ExportError:
-        pass
-    (progress or (lambda msg: None))(f"building {source} over {parsed} into the cache ({folder})")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    export_sharded(source, folder, parsed, target, seed=seed, experts=weights, overwrite=True, progress=progress,
-                   dispatch=dispatch)
-    return folder
+
+    def build(folder: Path) -> None:
+        (progress or (lambda msg: None))(f"building {source} over {parsed} into the cache ({folder})")
+        export_sharded(source, folder, parsed, target, seed=seed, experts=weights, progress=progress,
+                       dispatch=dispatch)
+
+    return _cached("sharded", entry_key("sharded", record, {"mesh": str(parsed), "dispatch": dispatch,
+                                                            "target": resolve(target).describe()}),
+                   read_sharded, build, progress)

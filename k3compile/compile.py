@@ -1,11 +1,11 @@
 """`k3compile compile`: an export folder compiled by TVM into an artifact folder (docs/architecture.md, "The
 compile path").
 
-OUT holds the library (`model.so`: the Relax VM executable for the target, k3 ops lowered to TIR kernels where a
-kernel covers them), the weights in the target's layout in the order the library takes them (`weights.safetensors`),
-the ONNX it came from with its config.json and export.json, and `manifest.json` (target and full TVM target,
-versions, interface, the parameter order, the sha256 of every file), which `backends.tvm` checks before loading
-anything. OUT is written through artifact.ArtifactWriter.
+OUT holds the library (`model.so`: the Relax VM executable for the target, every k3 op lowered to a TIR kernel; a
+build that would leave one extern is refused), the weights in the target's layout in the order the library takes
+them (`weights.safetensors`), the ONNX it came from with its config.json and export.json, and `manifest.json`
+(target and full TVM target, versions, interface, the parameter order, the sha256 of every file), which
+`backends.tvm` checks before loading anything. OUT is written through artifact.ArtifactWriter.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k3compile import __version__
+from k3compile import __version__, library
 from k3compile.artifact import writing
 from k3compile.interface import (
     CONFIG_FILE,
@@ -66,7 +66,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     if tune and resolve(target).gpu:
         raise ExportError(f"--tune tunes CPU code; target {target!r} is scheduled by dlight and its own kernels")
     if dump_ir is not None:
-        _dump_folder(dump_ir, create=False)  # refused before any work; created once the compile starts
+        _dump_folder(dump_ir, create=False, apart_from=(out, export_dir))  # refused before any work; created once
+        # the compile starts
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
@@ -106,9 +107,15 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     return manifest
 
 
-def _dump_folder(path: str | Path, create: bool = True) -> Path:
-    """The --dump-ir folder: created if missing; an existing one must be empty (its files are never replaced)."""
+def _dump_folder(path: str | Path, create: bool = True, apart_from: tuple = ()) -> Path:
+    """The --dump-ir folder: created if missing; an existing one must be empty (its files are never replaced), and
+    apart from OUT and the export (neither one of them, inside one, nor holding one: the IR would land in the
+    artifact, or the artifact's swap would take the IR)."""
     path = Path(path)
+    here = path.resolve()
+    for other in map(lambda p: Path(p).resolve(), apart_from):
+        if here == other or other in here.parents or here in other.parents:
+            raise ExportError(f"{path}: --dump-ir must be a folder apart from OUT and the export folder ({other})")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ExportError(f"{path}: --dump-ir needs a new or empty folder")
     if not create:
@@ -134,9 +141,10 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
 
 def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | None = None,
                 dump_ir: str | Path | None = None, executable: bool = True):
-    """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py)."""
+    """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
+    extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
+    TVM compiles anything, on every target."""
     import tvm
-    from tvm import relax
 
     from k3compile.frontend import to_relax
     from k3compile.passes import run_phases
@@ -151,17 +159,20 @@ def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | N
     if tgt.gpu:
         return _build_gpu(mod, raw, tgt, dump, step, executable)
     mod = run_phases(mod, tgt, dump_dir=dump)
+    _no_extern_calls(mod, tgt)
+    names = weight_names(mod)
     step("compiling")
-    tvm_target = tgt.tvm()
     with tgt.compiling():
-        executable = tvm.compile(mod, target=tvm_target,
+        executable = tvm.compile(library.with_signature(mod, names), target=tgt.tvm(),
                                  relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     step("putting the weights in the target's layout")
-    vm = relax.VirtualMachine(executable, tvm.cpu())
-    weights = list(vm["main_transform_params"](list(raw)))
+    return mod, executable, names, library.transform_weights(executable, raw)
+
+
+def weight_names(mod) -> list[str]:
+    """main's weight parameters (after its graph inputs), each name once: the manifest's `params`."""
     main = mod["main"]
-    names = _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
-    return mod, executable, names, weights
+    return _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
 
 
 def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
@@ -177,8 +188,8 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
 
     mod = run_phases(mod, tgt, upto="lift-weight-transforms", dump_dir=dump)
     transform = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == "main_transform_params"})
-    mod = relax.transform.DeadCodeElimination(["main"])(
-        tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint != "main_transform_params"}))
+    mod = relax.transform.DeadCodeElimination(["main"])(tvm.IRModule(  # attrs: phase 1's declined reasons
+        {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main_transform_params"}, attrs=mod.attrs))
     step("putting the weights in the target's layout (on this CPU)")
     vm = relax.VirtualMachine(tvm.compile(transform, target="llvm"), tvm.cpu())
     weights = list(vm["main_transform_params"](list(raw)))
@@ -191,29 +202,37 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
         with tgt.compiling():
             executable = tvm.compile(mod, target=tgt.tvm(), relax_pipeline=tvm.transform.Sequential(
                 tgt.finish_passes()), tir_pipeline=gpu.tir_pipeline(tgt))
-    main = mod["main"]
-    names = _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
+    names = weight_names(mod)
     return mod, executable or None, names, weights
 
 
 def _no_extern_calls(mod, tgt) -> None:
-    """A k3 call no kernel covered stays a call of the op's host reference, which a device build cannot make:
-    refused, naming the op (on the CPU the reference serves it)."""
+    """Every k3 call must have become a kernel (docs/architecture.md, "The compile path"): one left as a call of its
+    extern symbol could only run the op's in-process reference, which no written artifact carries. Refused, naming
+    the op and the reason phase 1 recorded (passes/lower_k3_calls.py: `Declined`); the collectives are exempt
+    (`extern_by_design`: the distributed runtime registers them). The same check for CPU and GPU targets."""
     import tvm
     from tvm import relax
+
+    from k3compile.passes.lower_k3_calls import NO_FACTORY, declined, extern_by_design
 
     call_dps = tvm.ir.Op.get("relax.call_dps_packed")
     left: list[str] = []
 
     def visit(expr):
         if (isinstance(expr, relax.Call) and expr.op.same_as(call_dps) and isinstance(expr.args[0], relax.ExternFunc)
-                and expr.args[0].global_symbol.startswith("k3.")):
+                and expr.args[0].global_symbol.startswith("k3.")
+                and expr.args[0].global_symbol not in extern_by_design()
+                and expr.args[0].global_symbol not in left):
             left.append(expr.args[0].global_symbol)
 
-    relax.analysis.post_order_visit(mod["main"], visit)
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
     if left:
-        raise ExportError(f"target {tgt.name!r}: {left[0]} has no {tgt.name} kernel for these sizes or attributes "
-                          "(GPU kernels need static sizes, multiples of 32, float32 or MXFP4 experts)")
+        reasons = declined(mod)
+        raise ExportError("; ".join(f"{symbol} has no {tgt.name} kernel: {'; '.join(reasons.get(symbol, [NO_FACTORY]))}"
+                                    for symbol in left))
 
 
 def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Path,
@@ -245,9 +264,11 @@ def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Pat
         raise ExportError(f"{export_dir}: the decode step's weights are not main's; it cannot be tuned apart")
     legalized = legalize_fuse(tgt)(mod)
     mod, rows = tune_decode(legalized, schedule(tgt)(legalized), tgt, trials, work_dir, progress=step)
+    _no_extern_calls(mod, tgt)
     step("compiling the decode library")
-    with tgt.compiling():
-        executable = tvm.compile(mod, target=tgt.tvm(), relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    with tgt.compiling():  # it takes main's weights: it carries main's names (library.py)
+        executable = tvm.compile(library.with_signature(mod, weight_names(main_mod)), target=tgt.tvm(),
+                                 relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     return executable, rows
 
 

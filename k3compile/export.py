@@ -34,6 +34,7 @@ from k3compile.config import K3Config
 from k3compile.interface import (
     CONFIG_FILE,
     DATA_FILE,
+    EXPORT_JSON,
     MODEL_FILE,
     ExportError,
     GraphInterface,
@@ -297,6 +298,7 @@ def export(
             **summary,
             "external_data": DATA_FILE if external else None,
             "file_bytes": sum(f.stat().st_size for f in tmp.iterdir()),
+            "files": sorted({f.name for f in tmp.iterdir()} | {EXPORT_JSON}),  # what --overwrite may replace
             "export_s": round(trace_s, 3),
         }
         write_record(tmp, doc)  # the parity run opens the folder as any reader does

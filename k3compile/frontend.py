@@ -12,6 +12,8 @@ module-level `_get_convert_map()` for the duration of one import (restored after
     symbolic, instead.
   * `Slice` with an "until the end" bound (INT64_MAX) and a symbolic start: the importer assumes in-bound indices,
     so the extent came out as INT64_MAX - start; the bound becomes the dimension itself.
+  * `Gather` (the embedding lookup) as a take in mode "clip" rather than TVM's default "fast", whose legalization
+    prints "Fast mode segfaults when there are out-of-bounds indices" on every compile (`_take_clipped`).
 Model-local function bodies are never read (the k3 converters replace them).
 """
 
@@ -29,7 +31,7 @@ def _fixed_converters(base: dict) -> dict:
     import tvm
     from tvm import relax
 
-    reshape, slice_ = base["Reshape"], base["Slice"]
+    reshape, slice_, gather = base["Reshape"], base["Slice"], base["Gather"]
 
     class Reshape(reshape):
         @classmethod
@@ -54,7 +56,25 @@ def _fixed_converters(base: dict) -> dict:
                     inputs = [inputs[0], inputs[1], relax.ShapeExpr(dims), *inputs[3:]]
             return slice_._impl_v13(bb, inputs, attr, params)
 
-    return {"Reshape": Reshape, "Slice": Slice}
+    class Gather(gather):
+        @classmethod
+        def _impl_v13(cls, bb, inputs, attr, params):
+            return _take_clipped(gather._impl_v13(bb, inputs, attr, params))
+
+    return {"Reshape": Reshape, "Slice": Slice, "Gather": Gather}
+
+
+def _take_clipped(expr):
+    """A take in TVM's default mode "fast" (no bounds handling) as the same take in mode "clip". The "fast" mode has
+    topi print a warning on every compile (C++ LOG(WARNING) to stderr, with no switch) about out-of-bounds indices
+    segfaulting. It does not apply here: the only such take is the embedding lookup, whose token ids every backend
+    checks against the vocabulary before each step (interface.check_step), so "clip" never clips; it costs a min and
+    a max per element, and an unchecked id past the vocabulary would read the last row instead of other memory."""
+    from tvm import relax
+
+    if isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == "relax.take" and expr.attrs.mode == "fast":
+        return relax.op.take(expr.args[0], expr.args[1], expr.attrs.axis, mode="clip")
+    return expr
 
 
 def _k3_converters() -> dict:

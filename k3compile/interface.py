@@ -42,6 +42,11 @@ class ExportError(UserError):
     """An export folder or option that cannot be used as asked; the message says why."""
 
 
+class StepInputError(UserError):
+    """One step's inputs that no executable of this config can take (an id outside the vocabulary, a mask that does
+    not span past + new tokens, a decode state of other shapes); the message says which."""
+
+
 # ---- the decode state ----------------------------------------------------------------------------------------------
 
 def state_names(cfg: K3Config, layer: int) -> tuple[str, str]:
@@ -73,6 +78,36 @@ def past_length(cfg: K3Config, past: Past) -> int:
         if cfg.is_mla(i):
             return a.shape[1]
     return 0
+
+
+def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
+    """Every backend's step checks its inputs first: compiled code indexes the embedding with the ids as they come
+    (an id past the vocabulary reads other memory: garbage logits, or a segfault) and trusts the shapes."""
+    ids, mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise StepInputError(f"input_ids must be integer ids [batch, seq], got {ids.dtype} {list(ids.shape)}")
+    b, t = ids.shape
+    if b == 0 or t == 0:
+        raise StepInputError(f"input_ids [batch, seq] must hold at least one id, got {list(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise StepInputError(f"token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if len(past) != cfg.num_hidden_layers:
+        raise StepInputError(f"the decode state has {len(past)} layers, the model {cfg.num_hidden_layers}")
+    p = past_length(cfg, past)
+    if mask.dim() != 2 or tuple(mask.shape) != (b, p + t):
+        raise StepInputError(f"attention_mask must be [batch, past + seq] = [{b}, {p + t}], got {list(mask.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise StepInputError("attention_mask must hold only 0 (padding) and 1 (token)")
+    want = init_past(cfg, b, device="meta")
+    for i, (got, expect) in enumerate(zip(past, want)):
+        for name, g, e in zip(state_names(cfg, i), got, expect):
+            shape = list(e.shape)
+            if cfg.is_mla(i):
+                shape[1] = p
+            if list(g.shape) != shape:
+                raise StepInputError(f"past.{i}.{name} is {list(g.shape)}, expected {shape}")
 
 
 def numpy_inputs(input_ids, attention_mask, past: Past) -> list[np.ndarray]:
@@ -184,11 +219,16 @@ def read_record(folder: str | Path) -> dict:
     sha = doc.get("config_sha256")
     if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         raise _record_error(folder, "config_sha256: not a sha256 digest")
+    files = doc.get("files", [])
+    if not (isinstance(files, list) and all(isinstance(f, str) and Path(f).name == f for f in files)):
+        raise _record_error(folder, "files: expected a list of file names")
     src = doc.get("source", {})
     if not isinstance(src, dict):
         raise _record_error(folder, "source: expected an object")
     if "source" in src and not (isinstance(src["source"], str) and src["source"]):
         raise _record_error(folder, f"source.source: expected a preset name or a path, got {src['source']!r}")
+    if "digest" in src and not (isinstance(src["digest"], str) and re.fullmatch(r"[0-9a-f]{64}", src["digest"])):
+        raise _record_error(folder, "source.digest: not a sha256 digest")
     seed = src.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise _record_error(folder, f"source.seed: expected an integer in 0..2^64-1, got {seed!r}")

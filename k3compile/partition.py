@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from k3compile import __version__
+from k3compile import __version__, library
 from k3compile.artifact import writing
 from k3compile.config import K3Config
 from k3compile.interface import (
@@ -290,7 +290,6 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     """Build OUT for `mesh` from SOURCE (a preset, config.json or checkpoint folder); returns the manifest."""
     import tvm
     from safetensors.numpy import save_file
-    from tvm import relax
 
     from k3compile.compile import build_proto, check_target
     from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
@@ -338,8 +337,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                 built_by, executable, names = builds[key]
                 step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
                 _, _, raw = to_relax(proto, keep_params=True)
-                vm = relax.VirtualMachine(executable, tvm.cpu())
-                weights = list(vm["main_transform_params"](list(raw)))
+                weights = library.transform_weights(executable, raw)
             else:
                 _, executable, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
                     f"{t}: {m}"))
@@ -370,6 +368,28 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
         step("renaming into place")
         w.commit()
     return manifest
+
+
+def compile_sharded(export_dir: str | Path, out: str | Path, mesh: Mesh, target: str = "llvm",
+                    overwrite: bool = False, progress: Callable[[str], None] | None = None,
+                    dispatch: str = "all_reduce") -> dict:
+    """`compile EXPORT --mesh`: an export sharded. The ranks are traced again from the source the export records (a
+    rank's graph is not a cut of the whole graph's ONNX), with its seed, expert format, activations and opset; a
+    checkpoint source must still hold what it held at the export (its content digest), or the sharded build would
+    carry other weights than the export it says it comes from."""
+    from k3compile.interface import open_export
+    from k3compile.source import PRESET, check_unchanged, kind_of
+
+    doc, _ = open_export(export_dir)
+    src = doc.get("source") or {}
+    source = src.get("source")
+    if not isinstance(source, str) or not (kind_of(source) == PRESET or Path(source).exists()):
+        raise ExportError(f"{export_dir}: its export.json records no source that exists here ({source!r}); export "
+                          "the source with --mesh instead")
+    check_unchanged(src, f"the export {export_dir}")
+    return export_sharded(source, out, mesh, target, seed=int(src.get("seed", 0)), experts=src.get("experts", "auto"),
+                          activations=doc["activations"], opset=doc["opset"], overwrite=overwrite, progress=progress,
+                          dispatch=dispatch)
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from k3compile.export import DEFAULT_TOL, MIN_OPSET, export
 from k3compile.interface import ExportError, open_export
 from k3compile.model.k3 import K3ForCausalLM
 from k3compile.modes import ACT_QUANT_FLAGS, Forms
-from k3compile.source import load_model
+from k3compile.source import check_unchanged, load_model
 from k3compile.threads import default_threads, use_threads
 
 
@@ -62,6 +62,8 @@ def eager_of(folder: str | Path, source: str | None = None, threads: int | None 
     if not src:
         raise ExportError(f"{folder}: export.json does not say where the weights came from; pass --source")
     verify.check_source(src, cfg)
+    if source is None:  # the recorded source: still the files the export was made from
+        check_unchanged(rec, f"the export {folder}")
     model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
     verify.check_model(model.config, cfg)
     use_threads(threads or default_threads(cfg))

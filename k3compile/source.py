@@ -5,6 +5,7 @@ backend, not as an eager model). One function resolves which, and one builds the
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
 from k3compile.compile import MANIFEST
 from k3compile.config import EXPERT_CHOICES
-from k3compile.interface import EXPORT_JSON, MODEL_FILE
+from k3compile.interface import EXPORT_JSON, MODEL_FILE, sha256_file
 from k3compile.model.k3 import K3ForCausalLM, init_weights
 from k3compile.model.state_dict_adapter import convert_experts
 from k3compile.presets import PRESETS, load_config
@@ -39,9 +40,58 @@ def kind_of(source: str | Path) -> str:
 
 
 def record(source: str, seed: int, experts: str) -> dict:
-    """Where the weights came from, as an export records it, so that `verify` can rebuild the eager model."""
-    path = source if kind_of(source) == PRESET else str(Path(source).resolve())
-    return {"source": path, "seed": seed, "experts": experts}
+    """Where the weights came from, as an export records it, so that `verify` can rebuild the eager model: a preset
+    and its seed, or the resolved path of a config.json / checkpoint folder and the digest of its content."""
+    if kind_of(source) == PRESET:
+        return {"source": source, "seed": seed, "experts": experts}
+    path = Path(source).resolve()
+    rec = {"source": str(path), "seed": seed, "experts": experts}
+    if path.exists():
+        rec["digest"] = content_digest(path)
+    return rec
+
+
+def content_digest(path: Path) -> str:
+    """sha256 over the names and contents of a file, or of a folder's files (not its subfolders): a checkpoint's
+    identity. Memoized per user (cachedir) by each file's path, device, inode, size, mtime and ctime, so it is
+    recomputed whenever any of them changes (ctime moves on every write and every metadata change)."""
+    from k3compile import cachedir
+
+    path = Path(path)
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+    stamp = []
+    for f in files:
+        st = f.stat()
+        stamp.append([str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    try:
+        known = cachedir.recall_digest(stamp)
+    except cachedir.CacheError:  # no usable cache folder: digest without the memo
+        known = None
+    if known:
+        return known
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    digest = h.hexdigest()
+    try:
+        cachedir.remember_digest(stamp, digest)
+    except cachedir.CacheError:
+        pass
+    return digest
+
+
+def check_unchanged(rec: dict, what: str) -> None:
+    """A recorded source (an export's) is still what it was: its content digest, where one was recorded, matches
+    the files there now. Raises CheckpointError naming the source otherwise."""
+    digest = rec.get("digest")
+    src = rec.get("source")
+    if digest is None or not isinstance(src, str) or kind_of(src) == PRESET:
+        return
+    if not Path(src).exists():
+        raise CheckpointError(f"{src}: {what} was made from it, and it is gone")
+    if content_digest(Path(src)) != digest:
+        raise CheckpointError(f"{src}: its files changed since {what} was made from them (their content digest "
+                              "differs from the record's); export it again")
 
 
 def load_model(

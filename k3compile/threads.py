@@ -1,17 +1,28 @@
-"""How many CPU threads the eager model and onnxruntime use (docs/architecture.md, "Threads").
+"""How many CPU threads every backend uses: one setting for torch, onnxruntime and TVM (docs/architecture.md,
+"Threads").
 
-torch and onnxruntime default to one thread per core and spin while they wait for work. For the tiny widths of the
-test presets a matmul is too small to split, and under CPU contention (a test runner, another job) the spinning
-threads fight the busy cores: in single generate runs (not a benchmark), k3-tiny's eager decode gave 74 tokens/s
-on one thread and 13 on two with one of two cores busy (77 and 66 idle). So small models take one thread and the
-rest take every core this process may run on; `--threads` overrides.
+torch and onnxruntime default to one thread per core and spin while they wait for work; TVM's pool defaults to its
+own count (one thread on this 2-core machine). For the tiny widths of the test presets a matmul is too small to split,
+and under CPU contention (a test runner, another job) the spinning threads fight the busy cores: in single generate
+runs (not a benchmark), k3-tiny's eager decode gave 74 tokens/s on one thread and 13 on two with one of two cores
+busy (77 and 66 idle). So small models take one thread and the rest take every core this process may run on;
+`--threads` overrides, capped at those cores (more threads than cores only contend).
+
+`use_threads(n)` sets the three at once: torch's intra-op count, TVM's pool (TVM_NUM_THREADS, read when the pool
+starts, and `runtime.config_threadpool` once TVM is loaded); onnxruntime takes the same count per session
+(backends/onnx.py, through `capped`). TVM's pool cannot grow past the size it started with, so commands set the
+count before they load or compile anything.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 from k3compile.config import K3Config
+
+log = logging.getLogger(__name__)
 
 SPLIT_HIDDEN = 512  # below this hidden width, one thread: the per-token matmuls are too small to share out
 
@@ -27,9 +38,24 @@ def default_threads(cfg: K3Config) -> int:
     return 1 if cfg.hidden_size < SPLIT_HIDDEN else available_cores()
 
 
+def capped(n: int) -> int:
+    """n, at most the cores this process may run on (and at least 1)."""
+    cores = available_cores()
+    if n > cores:
+        log.info("%d threads asked, %d cores available: using %d", n, cores, cores)
+    return max(1, min(int(n), cores))
+
+
 def use_threads(n: int) -> int:
-    """Set torch's intra-op thread count (onnxruntime takes it per session); returns n."""
+    """Set torch's, TVM's and onnxruntime's thread count to n (capped at the cores); returns the count set."""
     import torch
 
+    n = capped(n)
     torch.set_num_threads(n)
+    os.environ["TVM_NUM_THREADS"] = str(n)  # read when TVM's pool first starts
+    if "tvm" in sys.modules:
+        import tvm
+
+        tvm.get_global_func("runtime.config_threadpool")(-1, n)  # -1: no core affinity change
     return n
+

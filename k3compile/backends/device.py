@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.interface import ExportError, Past, init_past, numpy_inputs, open_export, unflatten
+from k3compile.interface import ExportError, Past, check_step, init_past, numpy_inputs, open_export, unflatten
 
 
 class DeviceBackend:
@@ -50,8 +50,8 @@ class DeviceBackend:
                                   "manifest lists (another k3compile or TVM?); compile it again")
             import tvm
 
-            from k3compile.backends.tvm import read_weights
             from k3compile.compile import WEIGHTS
+            from k3compile.library import read_weights
 
             weights = read_weights(folder / WEIGHTS, names, tvm.cpu())
         self._weights = [np.from_dlpack(w) for w in weights]
@@ -68,6 +68,7 @@ class DeviceBackend:
     def step(self, input_ids, attention_mask, past: Past):
         from k3compile import devices
 
+        check_step(self.config, input_ids, attention_mask, past)
         feeds = numpy_inputs(input_ids, attention_mask, past)
         outs = devices.run_main(self.mod, self.target, [*feeds, *self._weights], self.dev, self.progress)
         outs = [torch.from_numpy(o) for o in outs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.interface import Past
+from k3compile.interface import Past, check_step
 from k3compile.model.k3 import K3ForCausalLM
 from k3compile.modes import EAGER, Forms
 
@@ -23,4 +23,5 @@ class EagerBackend:
 
     @torch.no_grad()
     def step(self, input_ids: Tensor, attention_mask: Tensor, past: Past) -> tuple[Tensor, Past]:
+        check_step(self.config, input_ids, attention_mask, past)
         return self.model(input_ids, attention_mask, past, forms=self.forms)

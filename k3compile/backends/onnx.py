@@ -18,12 +18,13 @@ from k3compile.interface import (
     ExportError,
     GraphInterface,
     Past,
+    check_step,
     init_past,
     numpy_inputs,
     open_export,
     unflatten,
 )
-from k3compile.threads import default_threads
+from k3compile.threads import capped, default_threads
 
 
 class OnnxBackend:
@@ -56,7 +57,7 @@ class OnnxBackend:
 
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
-            opts.intra_op_num_threads = threads or default_threads(self.config)
+            opts.intra_op_num_threads = capped(threads) if threads else default_threads(self.config)
             opts.inter_op_num_threads = 1
             if not spinning:  # idle threads sleep at once instead of spinning (the benchmark runs backends in turn)
                 opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -71,6 +72,7 @@ class OnnxBackend:
 
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
+        check_step(self.config, input_ids, attention_mask, past)
         feeds = dict(zip(self.interface.inputs, numpy_inputs(input_ids, attention_mask, past)))
         outs = [torch.from_numpy(np.asarray(o)) for o in self._run(feeds)]
         return outs[0], unflatten(outs[1:])

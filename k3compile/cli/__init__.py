@@ -9,12 +9,17 @@ goes to stderr on a terminal; `--json` prints strict JSON on stdout.
 from __future__ import annotations
 
 import logging
+import os
 
-import click
+# torch's C++ side logs each failed connection of a rendezvous (with a stack of frames) on stderr, where a command
+# prints its one `Error:` line instead; read once, when torch loads: set before anything imports it.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
-from k3compile import __version__
+import click  # noqa: E402
+
+from k3compile import __version__  # noqa: E402
 from k3compile.cli import bench, compile, export, generate, plan, presets, run, verify
-from k3compile.cli.common import Group
+from k3compile.cli.common import Group  # noqa: E402
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

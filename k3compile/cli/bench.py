@@ -2,41 +2,115 @@
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
 import click
 
+from k3compile.bench import BACKENDS, MAX_REPEATS
 from k3compile.cli.common import dumps, status, user_errors
+from k3compile.errors import UserError
+from k3compile.sharding.plan import DISPATCH
+
+MAX_SIZE = 2**31 - 1  # every size (docs/architecture.md, "Errors")
+_POSITIVE = re.compile(r"\s*0*[1-9][0-9]{0,9}\s*")  # ASCII digits only: int() would also take "1_0" and "２"
+DISPATCH_FLAGS = {d.replace("_", "-"): d for d in DISPATCH}  # the CLI spelling of the plan's vocabulary
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: comma-separated positive integers") from None
-    if not values or any(v < 1 for v in values):
-        raise click.BadParameter(f"{text!r}: comma-separated positive integers")
+def _sizes(ctx, param, text: str) -> tuple[int, ...]:
+    """A list like 1,8: distinct positive integers at most 2^31 - 1, no empty item."""
+    items = text.split(",")
+    values = tuple(int(t) for t in items if _POSITIVE.fullmatch(t))
+    if len(values) != len(items) or len(set(values)) != len(values) or max(values) > MAX_SIZE:
+        raise click.BadParameter(f"{text!r}: expected distinct positive integers such as 1,8 (at most {MAX_SIZE})")
     return values
+
+
+def _names(choices):
+    def parse(ctx, param, text: str) -> tuple[str, ...]:
+        """A list like eager,tvm: distinct names from `choices`, no empty item."""
+        names = tuple(t.strip() for t in text.split(","))
+        if not set(names) <= set(choices) or len(set(names)) != len(names):
+            raise click.BadParameter(f"{text!r}: expected distinct names from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def _meshes(ctx, param, texts: tuple[str, ...]) -> tuple[str, ...]:
+    """Each --mesh parsed (sharding.Mesh.parse), none given twice (ep=2 and ep=2,pp=1 are one mesh)."""
+    from k3compile.sharding import Mesh
+
+    seen = {}
+    for text in texts:
+        try:
+            mesh = Mesh.parse(text)
+        except UserError as e:
+            raise click.UsageError(str(e), ctx) from None  # the message names --mesh
+        if mesh in seen:
+            raise click.BadParameter(f"{text!r} is the mesh {seen[mesh]!r} again")
+        seen[mesh] = text
+    return texts
+
+
+def _check_new_file(path: str | None, option: str) -> None:
+    """Before any work: `path` does not exist and a file can be created beside it (probed by creating one)."""
+    if path is None:
+        return
+    p = Path(path)
+    if os.path.lexists(p) or path.endswith(os.sep):
+        raise UserError(f"{option} {path}: exists or names a folder; give a new file")
+    if not p.parent.is_dir():
+        raise UserError(f"{option} {path}: there is no folder {p.parent}")
+    probe = _temporary(p)
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot create a file in {p.parent} ({e.strerror})") from None
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _write_new(path: str, write: Callable[[Path], None]) -> None:
+    """`write` a temporary file beside `path`, renamed to it once complete: never a half-written file."""
+    tmp = _temporary(Path(path))
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @click.command("bench")
 @click.argument("source", default="k3-small")
-@click.option("--backends", default="eager,onnx,tvm", show_default=True,
+@click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
               help="Comma-separated: eager, onnx, tvm.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Threads of every backend (torch, onnxruntime, TVM) [default: every core].")
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Interleaved repetitions; figures are medians.")
-@click.option("--decode-batches", default="1,8", show_default=True, help="Batch sizes of the decode runs.")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--prefill", default="512,2048", show_default=True, help="Prompt lengths of the prefill runs.")
+@click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=5, show_default=True,
+              help=f"Interleaved repetitions; figures are medians (at most {MAX_REPEATS}).")
+@click.option("--decode-batches", default="1,8", show_default=True, callback=_sizes,
+              help="Batch sizes of the decode runs (refused when a step would not fit in memory).")
+@click.option("--decode-steps", type=click.IntRange(1, MAX_SIZE), default=8, show_default=True,
+              help="Decode steps measured (refused past the model's max_position_embeddings).")
+@click.option("--prefill", default="512,2048", show_default=True, callback=_sizes,
+              help="Prompt lengths of the prefill runs (refused past the model's max_position_embeddings or this "
+                   "machine's memory).")
 @click.option("--target", default="llvm", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the results as JSON to this file (a new file).")
+              help="Write the results as JSON to this file (a new file, in a folder that exists).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="Write a chart to this PNG file (a new file; needs matplotlib).")
-@click.option("--mesh", "meshes", multiple=True, metavar="ep=E[,pp=P]",
+@click.option("--mesh", "meshes", multiple=True, metavar="ep=E[,pp=P]", callback=_meshes,
               help="Instead: distributed decode over each mesh given (repeat the option; `k3compile run` on this "
                    "machine), decode tokens/s and bytes per token; --decode-batches' first size is the batch.")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
+              callback=_names(tuple(DISPATCH_FLAGS)),
               help="With --mesh: comma-separated all-reduce, all-to-all; a mesh with ep > 1 runs once per dispatch.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
@@ -45,20 +119,17 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
     tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert kernel against torch fp32, the KDA
     kernel as T doubles, the memory roofline, load time and peak memory. Builds into the cache on first use. Run it
     on a quiet machine: a second busy process halves every figure on two cores."""
-    from pathlib import Path
+    import importlib.util
 
-    from k3compile.bench import BACKENDS, chart, run_bench
-    from k3compile.errors import UserError
+    from k3compile.bench import chart, run_bench
 
-    names = tuple(b.strip() for b in backends.split(",") if b.strip())
-    unknown = [b for b in names if b not in BACKENDS]
-    if unknown or not names:
-        raise click.BadParameter(f"{backends!r}: choose from {', '.join(BACKENDS)}", param_hint="--backends")
-    batches, lengths = _ints(decode_batches), _ints(prefill)
     with user_errors():
-        for path in (json_path, png_path):
-            if path is not None and Path(path).exists():
-                raise UserError(f"{path}: exists; give a new file")
+        _check_new_file(json_path, "--json")
+        _check_new_file(png_path, "--png")
+        if json_path is not None and png_path is not None and Path(json_path).resolve() == Path(png_path).resolve():
+            raise UserError(f"--json and --png name the same file ({json_path})")
+        if png_path is not None and importlib.util.find_spec("matplotlib") is None:
+            raise UserError("--png needs matplotlib (pip install 'k3compile[bench]')")
         from k3compile.compile import check_target
 
         check_target(target)
@@ -66,20 +137,19 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
             from k3compile.bench import mesh_table, run_mesh_bench
 
             with status(f"benchmarking {source} over {len(meshes)} meshes", quiet) as step:
-                modes = tuple(d.strip().replace("-", "_") for d in dispatches.split(",") if d.strip())
-                if not modes or any(d not in ("all_reduce", "all_to_all") for d in modes):
-                    raise click.BadParameter(f"{dispatches!r}: all-reduce, all-to-all", param_hint="--dispatch")
-                result = run_mesh_bench(source, meshes, batches[0], decode_steps, repeats, step, modes)
+                result = run_mesh_bench(source, meshes, decode_batches[0], decode_steps, repeats, step,
+                                        tuple(DISPATCH_FLAGS[d] for d in dispatches))
             if json_path is not None:
-                Path(json_path).write_text(dumps(result, indent=2) + "\n")
+                _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
             click.echo(mesh_table(result))
             return
         with status(f"benchmarking {source}", quiet) as step:
-            result = run_bench(source, names, threads, repeats, batches, decode_steps, lengths, target, step)
+            result = run_bench(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target,
+                               step)
         if json_path is not None:
-            Path(json_path).write_text(dumps(result, indent=2) + "\n")
+            _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
         if png_path is not None:
-            chart(result, png_path)
+            _write_new(png_path, lambda tmp: chart(result, tmp))
     click.echo(table(result))
 
 

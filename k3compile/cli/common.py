@@ -100,10 +100,15 @@ def parse_ids(text: str) -> list[int]:
     if not _IDS.fullmatch(text):
         raise click.BadParameter(f"{text!r}: expected comma-separated integers such as 1,2,3",
                                  param_hint="--prompt-ids")
-    return [int(t) for t in text.split(",")]
+    parts = [t.strip() for t in text.split(",")]
+    long = next((t for t in parts if len(t.lstrip("0")) > 18), None)  # past any vocabulary (and int()'s 4300 digits)
+    if long is not None:
+        raise click.BadParameter(f"token id {long[:20]}... is outside any vocabulary", param_hint="--prompt-ids")
+    return [int(t) for t in parts]
 
 
-THREADS_HELP = "CPU threads for torch and onnxruntime [default: 1 below hidden size 512, else every core]."
+THREADS_HELP = ("CPU threads for torch, onnxruntime and TVM, at most the cores this process may use [default: 1 below "
+                "hidden size 512, else every core].")
 
 
 def table_console():
@@ -111,3 +116,12 @@ def table_console():
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def print_sharded(manifest, out, mesh, dispatch, as_json, quiet) -> None:
+    """What `export --mesh` and `compile --mesh` print about the sharded OUT they wrote."""
+    if as_json:
+        click.echo(dumps(manifest, indent=2))
+    elif not quiet:
+        click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}, {dispatch}), {manifest['builds']} distinct "
+                   f"libraries, built in {manifest['build_s']:.1f} s; run it with `k3compile run {out}`")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
+from k3compile.cli import common
 from k3compile.cli.common import dumps, status, user_errors
 
 
@@ -17,9 +16,9 @@ from k3compile.cli.common import dumps, status, user_errors
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
 @click.option("--dump-ir", "dump_ir", type=click.Path(file_okay=False), default=None,
               help="Write the IR before and after each compile phase (TVMScript) into this new or empty folder.")
-@click.option("--tune", "tune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all; 0: no "
-                   "tuning. Minutes: each builder worker starts in ~1 minute.")
+@click.option("--tune", "tune", type=click.IntRange(0, 100_000), default=0, show_default=True, metavar="N",
+              help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all (at most "
+                   "100000); 0: no tuning. Minutes: each builder worker starts in ~1 minute.")
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Shard over this mesh: the ranks' graphs are traced again from the source FOLDER records (its "
                    "export.json), one library and weight file per rank; run OUT with `k3compile run`.")
@@ -51,18 +50,11 @@ def command(folder, out, target, overwrite, dump_ir, tune, mesh, dispatch, as_js
 
 
 def _compile_sharded(folder, out, target, overwrite, mesh, dispatch, as_json, quiet):
-    """An export sharded: the ranks are traced from the source the export records (a rank's graph is not a cut of
-    the whole graph's ONNX), with its weights' seed, expert format, activations and opset."""
-    from k3compile.cli.export import _export_sharded
-    from k3compile.interface import open_export
-    from k3compile.source import PRESET, kind_of
+    from k3compile.partition import compile_sharded
+    from k3compile.sharding import Mesh
 
-    with user_errors():
-        doc, _ = open_export(folder)
-        src = doc.get("source") or {}
-        source = src.get("source")
-        if not isinstance(source, str) or not (kind_of(source) == PRESET or Path(source).exists()):
-            raise click.ClickException(f"{folder}: its export.json records no source that exists here "
-                                       f"({source!r}); export the source with --mesh instead")
-    _export_sharded(source, out, mesh, target, int(src.get("seed", 0)), src.get("experts", "auto"),
-                    doc["activations"], doc["opset"], overwrite, None, as_json, quiet, dispatch)
+    with user_errors(), status(f"sharding {folder}", quiet) as step:
+        mesh = Mesh.parse(mesh)
+        manifest = compile_sharded(folder, out, mesh, target, overwrite=overwrite, progress=step,
+                                   dispatch=dispatch.replace("-", "_"))
+    common.print_sharded(manifest, out, mesh, dispatch, as_json, quiet)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from k3compile.cli import common
 from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, dumps, status, user_errors
 from k3compile.config import EXPERT_CHOICES
 from k3compile.modes import ACT_QUANT_FLAGS
@@ -132,8 +133,4 @@ def _export_sharded(source, out, mesh, target, seed, weights, activations, opset
             manifest = export_sharded(source, out, mesh, target, seed=seed, experts=weights, activations=activations,
                                       opset=opset, overwrite=overwrite, progress=step,
                                       dispatch=dispatch.replace("-", "_"))
-    if as_json:
-        click.echo(dumps(manifest, indent=2))
-    elif not quiet:
-        click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}, {dispatch}), {manifest['builds']} distinct "
-                   f"libraries, built in {manifest['build_s']:.1f} s; run it with `k3compile run {out}`")
+    common.print_sharded(manifest, out, mesh, dispatch, as_json, quiet)

@@ -49,6 +49,9 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
                 raise click.UsageError(f"--{name.replace('_', '-')} does not apply to an export folder or artifact: "
                                        "it runs the weights it was built with")
     with user_errors():
+        from k3compile.presets import load_config
+
+        use_threads(threads or default_threads(load_config(source)))  # before TVM's pool or a compile starts
         with status(f"loading {source}", quiet) as step:
             if backend in ("onnx", "onnx-reference", "tvm") and not built:
                 from k3compile.cache import cached_artifact, cached_export
@@ -71,7 +74,6 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
                 from k3compile.backends.onnx import OnnxBackend
 
                 engine = OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
-        use_threads(threads or default_threads(engine.config))
         bar, cb = progress("generating", quiet)
         with bar or nullcontext():
             result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,

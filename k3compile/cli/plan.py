@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.common import dumps, table_console, user_errors
+from k3compile.cli.common import FiniteFloat, dumps, table_console, user_errors
+from k3compile.sharding.plan import MAX_RANKS
 
 GIB = 2**30
+SIZE = click.IntRange(1, 2**31 - 1)  # every size at most 2^31 - 1 (docs/architecture.md, "Errors")
+MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerator
 
 
 @click.command("plan")
 @click.argument("source", default="k3")
-@click.option("--devices", required=True, type=click.IntRange(min=1), help="Accelerators of the supernode.")
+@click.option("--devices", required=True, type=click.IntRange(1, MAX_RANKS),
+              help=f"Accelerators of the supernode (at most {MAX_RANKS}).")
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Only this mesh (dp fills the devices it leaves); refused when it cannot hold the model.")
-@click.option("--context", default=8192, show_default=True, type=click.IntRange(min=1),
+@click.option("--context", default=8192, show_default=True, type=SIZE,
               help="Tokens per sequence the MLA caches hold.")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1), help="Sequences decoded at once.")
+@click.option("--batch", default=1, show_default=True, type=SIZE, help="Sequences decoded at once.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Dense weights, caches, activations and wire (routed experts keep their stored format; KDA states "
                    "are fp32). The CPU artifacts of `export --mesh` are fp32.")
 @click.option("--device-memory", "device_memory", default=64.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="GiB of memory per device.")
+              type=FiniteFloat(min=0, min_open=True, max=MAX_DEVICE_GIB),
+              help=f"GiB of memory per device (at most {MAX_DEVICE_GIB}).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def command(source, devices, mesh, context, batch, dtype, device_memory, as_json):
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint

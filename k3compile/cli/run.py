@@ -6,6 +6,8 @@ import click
 
 from k3compile.cli.common import SEED, FiniteFloat, dumps, parse_ids, table_console, user_errors
 
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
+
 
 @click.command("run")
 @click.argument("folder", type=click.Path(file_okay=False))
@@ -16,24 +18,39 @@ from k3compile.cli.common import SEED, FiniteFloat, dumps, parse_ids, table_cons
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU threads per rank [default: the cores this process may use / ranks, at least 1].")
-@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0),
-              help="Seconds a collective waits for a peer before every rank gives up.")
+              help="CPU threads per rank, at most the cores this process may use [default: those cores / ranks, at "
+                   "least 1].")
+@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
+              help="Seconds a collective (or joining the run) waits for a peer before every rank gives up.")
+@click.option("--nnodes", default=1, show_default=True, type=click.IntRange(1, 4096),
+              help="Machines the ranks are spread over (ranks in node order); run this command on each.")
+@click.option("--node-rank", default=0, show_default=True, type=click.IntRange(0, 4095),
+              help="This machine's place among the --nnodes (node 0 hosts the rendezvous and prints the result).")
+@click.option("--rendezvous", default=None, metavar="HOST:PORT",
+              help="With --nnodes > 1: an address of node 0 that every node reaches; node 0 listens on it (only), the "
+                   "others join it. Default: this machine alone, on 127.0.0.1. See the README's trust model.")
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, stats, as_json, quiet):
-    """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank, started by torchrun's
-    elastic launcher on this machine, talking over torch.distributed (gloo). For several machines run
-    `torchrun --nnodes N ... -m k3compile.runtime.worker FOLDER ...` on each (README)."""
+def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, nnodes, node_rank,
+            rendezvous, stats, as_json, quiet):
+    """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank on this machine, talking
+    over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
+    --nnodes, --node-rank and --rendezvous (README)."""
     from k3compile.runtime.launch import run
+    from k3compile.runtime.rendezvous import Rendezvous
     from k3compile.runtime.worker import Options
 
     prompts = [parse_ids(p) for p in prompt_ids]
     with user_errors():
+        rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
         res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
-                                  progress=not quiet and not as_json))
+                                  progress=not quiet and not as_json), rdzv)
+    if res is None:  # another node's share: node 0 prints the result
+        if not quiet:
+            click.echo(f"node {node_rank}: its ranks decoded; node 0 has the result", err=True)
+        return
     if as_json:
         click.echo(dumps(res, indent=2))
         return

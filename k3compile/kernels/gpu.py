@@ -4,7 +4,9 @@ arithmetic: docs/mx.md).
 Each kernel binds its own threads (`blockIdx.x/y`, `threadIdx.x`; never `blockIdx.z`, which WebGPU lacks) and is
 marked scheduled, so dlight leaves it alone. Every thread computes whole outputs: no shared memory, no cross-thread
 reduction, so the same source is right on any workgroup size; the column axis is split into workgroups of `THREADS`
-threads and a guard drops the threads past the end, so sizes need not divide the workgroup.
+threads and a guard drops the threads past the end, so sizes need not divide the workgroup. The reductions run over
+whole 32-blocks: phase 1 zero-pads float experts to them, and the matmul's N to a multiple of 4 for its scale words
+(passes/lower_k3_calls.py; docs/architecture.md, "GPU targets").
 
 The MXFP4 weights come in the GPU word layout (phase 1 repacks the op's uint8 arrays, phase 3 lifts that to compile
 time): for an output column c and an input index k, the E2M1 code is nibble k % 8 of word [k / 8, c] and the E8M0

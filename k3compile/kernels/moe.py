@@ -26,6 +26,10 @@ first and multiplied by the block's scale once (kernels/mx.py). With MXFP8 activ
 the kernel fake-quantizes z into a buffer first and the activation in place after SiTU / SiLU, in 32-wide blocks,
 bit-exact with the op's torch arithmetic. Float32 experts (w13 [E, D, 2I], w2 [E, I, D] in the same layout) take
 the same loops, a float read where a nibble is decoded and no scale.
+
+D and I are whole 32-blocks (the reductions step by blocks): MXFP4 and MXFP8 are by their format, and phase 1
+zero-pads float experts of other widths, z and y around the call (passes/lower_k3_calls.py; docs/architecture.md,
+"The compile path").
 """
 
 from __future__ import annotations

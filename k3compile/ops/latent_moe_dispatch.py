@@ -8,7 +8,9 @@ reduces the partial sums in latent space (before the latent RMSNorm): summing th
 experts equals the op over all of them. Tokens routed outside the slice contribute zero.
 
 Weights are either float (scales None) or MXFP4: uint8 packed [E, 2I, D/2] / [E, D, I/2] with E8M0 scales
-[E, 2I, D/32] / [E, D, I/32]. `act_quant` fake-quantizes both expert-matmul inputs to MXFP8 ("e4m3"/"e5m2").
+[E, 2I, D/32] / [E, D, I/32]. `act_quant` fake-quantizes both expert-matmul inputs to MXFP8 ("e4m3"/"e5m2") in
+blocks of 32, so it needs D and I to be multiples of 32: other widths are a ConfigError, never a cut block (one
+line at export, from the parity run; not from the fake op, whose errors torch.onnx wraps in its own traceback).
 """
 
 from __future__ import annotations
@@ -18,17 +20,29 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from k3compile.config import ConfigError
 from k3compile.modes import Activation, ActQuant
 from k3compile.ops import mxfp4_matmul
 from k3compile.ops.activations import glu
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul_eager, quantize_activation
 from k3compile.ops.spec import OpSpec
+from k3compile.quant.mx import BLOCK
 
 
 def _expert_linear(x: Tensor, w: Tensor, scale: Optional[Tensor], act_quant: str) -> Tensor:
     if scale is not None:
         return mxfp4_matmul_eager(x, w, scale, act_quant)
     return quantize_activation(x, act_quant) @ w.float().t()
+
+
+def check_act_quant(z: Tensor, w13: Tensor, act_quant: str) -> None:
+    """MXFP8 activations quantize 32-blocks of z [N, D] and of the activation [N, I]: whole blocks only."""
+    width, inter = z.shape[-1], w13.shape[1] // 2
+    if act_quant != ActQuant.NONE.value and (width % BLOCK or inter % BLOCK):
+        raise ConfigError(f"MXFP8 activations ({act_quant}) quantize blocks of {BLOCK} along the expert widths, but "
+                          f"the expert input width (hidden_size, or routed_expert_hidden_size) is {width} and "
+                          f"moe_intermediate_size {inter}: both must be multiples of {BLOCK} "
+                          "(or export with --activations none)")
 
 
 def latent_moe_dispatch_eager(
@@ -45,6 +59,7 @@ def latent_moe_dispatch_eager(
     situ_linear_beta: float = 25.0,
     act_quant: str = ActQuant.NONE.value,
 ) -> Tensor:
+    check_act_quant(z, w13, act_quant)
     n_local = w13.shape[0]
     out = torch.zeros(z.shape[0], w2.shape[1], dtype=torch.float32, device=z.device)
     local = topk_idx.long() - expert_offset

@@ -1,32 +1,48 @@
-"""`k3compile run`: start one worker per rank on this machine with torchrun's elastic launcher and gather what they
-decoded (docs/architecture.md, "Sharding and the runtime").
+"""`k3compile run`: start this machine's workers, watch them, and gather what they decoded (docs/architecture.md,
+"Sharding and the runtime").
 
 The whole artifact is checked first (every file's sha256, the plan against the config): a damaged one is refused
-before any process starts. The launcher's agent watches the workers: when one fails (an error, a kill, a timeout in
-a collective), it stops the others and the run ends with one line naming the rank. `summarize` turns the ranks'
-results into the tokens per prompt, the decode speed and each rank's bytes per collective next to the plan's
-(runtime/report.py).
+before any process starts. The launcher of node 0 hosts the run's store (runtime/rendezvous.py: bound to 127.0.0.1
+on one machine, to the address `--rendezvous` names on several); each launcher starts its node's ranks as
+`python -m k3compile.runtime.worker RUN_DIR` processes, RUN_DIR a private (0700) temporary folder holding their
+options, their one-line errors and rank 0's result, removed at the end. The launcher watches its workers: when
+one fails (an error, a kill, a timeout in a collective) it stops the others and the run ends with one line naming
+the rank; SIGTERM or Ctrl-C stop them all too. Workers die with their launcher (PR_SET_PDEATHSIG), so none is ever
+left behind. `summarize` turns the ranks' results into the tokens per prompt, the decode speed and each rank's bytes
+per collective next to the plan's (runtime/report.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import shutil
 import signal
-import socket
-import uuid
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
+from k3compile.runtime.rendezvous import Rendezvous, RendezvousError, host_store, interface_of, join
 from k3compile.runtime.report import summarize
-from k3compile.runtime.worker import Options, RuntimeFault, decode
+from k3compile.runtime.worker import (
+    ENV_RANK,
+    ENV_WORLD,
+    RESULT,
+    Options,
+    RuntimeFault,
+    error_file,
+    write_options,
+)
 
-SHUTDOWN_S = 5  # seconds a worker has to exit on SIGTERM when the run ends (torch's failure path keeps its own 30)
+log = logging.getLogger(__name__)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+SHUTDOWN_S = 5  # seconds a worker has to exit on SIGTERM when the run ends, before SIGKILL
+POLL_S = 0.05
+SETTLE_S = 0.5  # after a first failure, how long the others' reports are awaited (to name the cause, not a victim)
 
 
 def default_threads(world: int) -> int:
@@ -35,53 +51,114 @@ def default_threads(world: int) -> int:
     return max(1, available_cores() // world)
 
 
-def run(folder: str | Path, options: Options) -> dict:
-    """Decode with every rank of OUT's mesh as a process of this machine; returns summarize()'s document."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = None) -> dict | None:
+    """Decode with every rank of OUT's mesh; this machine runs its node's share (all of them on one machine).
+    Returns summarize()'s document on node 0, None on the other nodes."""
     from k3compile.generate import check_request
     from k3compile.partition import read_sharded
+    from k3compile.threads import capped
 
+    rdzv = rendezvous or Rendezvous()
     folder = Path(folder)
     _, cfg, plan = read_sharded(folder)
     check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
+    world = plan.mesh.size
+    if world % rdzv.nnodes:
+        raise RendezvousError(f"mesh {plan.mesh} has {world} ranks, which {rdzv.nnodes} nodes cannot share evenly")
     need = plan.mesh.dp * len(plan.token_sources(0))
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
-    if options.threads is None:
-        options = dataclasses.replace(options, threads=default_threads(plan.mesh.size))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=plan.mesh.size, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S)
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.CRITICAL)  # the agent logs each failure at length; the one line below says it
+    per_node = world // rdzv.nnodes
+    threads = capped(options.threads) if options.threads else default_threads(per_node)
+    options = dataclasses.replace(options, threads=threads)
+    ifname = interface_of(rdzv)
+    run_dir = Path(tempfile.mkdtemp(prefix="k3compile-run-"))  # 0700: only this user reads or writes it
+    procs: dict[int, subprocess.Popen] = {}
+    hosted = None
     try:
-        out = elastic_launch(config, decode)(str(folder.resolve()), options)
-    except ChildFailedError as e:
-        raise RuntimeFault(failure_line(e)) from None
+        if rdzv.node_rank == 0:
+            hosted = host_store(rdzv, world, options.timeout)
+            rdzv = hosted.rendezvous
+        else:
+            join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
+        write_options(run_dir, folder.resolve(), options, rdzv)
+        env = {**os.environ, ENV_WORLD: str(world), "GLOO_SOCKET_IFNAME": ifname,
+               "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+        first = rdzv.node_rank * per_node
+        for rank in range(first, first + per_node):
+            procs[rank] = subprocess.Popen([sys.executable, "-m", "k3compile.runtime.worker", str(run_dir)],
+                                           env={**env, ENV_RANK: str(rank)}, stdin=subprocess.DEVNULL,
+                                           start_new_session=True)  # Ctrl-C reaches the launcher, which stops them
+        _watch(procs, run_dir)
+        if rdzv.node_rank != 0:
+            return None
+        results = json.loads((run_dir / RESULT).read_text())
     finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
-    return summarize(folder, out[0]["results"])
+        _stop(procs)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if hosted is not None:
+            hosted.close()
+    return summarize(folder, results)
 
 
-def failure_line(e) -> str:
-    """The first failed rank and why, from the agent's report."""
-    rank, f = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
-    if f.exitcode < 0:
+def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:
+    """Wait until every worker exits; at the first failure, stop the others and raise the line naming the cause."""
+    while True:
+        codes = {r: p.poll() for r, p in procs.items()}
+        if all(c == 0 for c in codes.values()):
+            return
+        if any(c not in (None, 0) for c in codes.values()):
+            deadline = time.monotonic() + SETTLE_S
+            while time.monotonic() < deadline and any(c is None for c in codes.values()):
+                time.sleep(POLL_S)
+                codes = {r: p.poll() for r, p in procs.items()}
+            failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+            raise RuntimeFault(failure_line(failed, run_dir))
+        time.sleep(POLL_S)
+
+
+def failure_line(failed: dict[int, int], run_dir: Path) -> str:
+    """The cause among the failed ranks: one killed by a signal, else one whose error does not blame a peer, else
+    the first; with its reason."""
+    def why(rank: int, code: int) -> str:
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
         try:
-            why = f"killed by {signal.Signals(-f.exitcode).name}"
-        except ValueError:
-            why = f"killed by signal {-f.exitcode}"
-    else:
-        msg = f.message if isinstance(f.message, str) else (f.message or {}).get("message", "")
-        msg = str(msg).strip().splitlines()[-1] if str(msg).strip() else ""
-        why = msg.split(": ", 1)[1] if msg.startswith(("RuntimeFault: ", "RuntimeError: ", "DistBackendError: ")) \
-            else (msg or f"exit code {f.exitcode}")
-        if why.startswith(f"rank {rank}: "):  # a RuntimeFault names its rank already
-            why = why[len(f"rank {rank}: "):]
-    return f"rank {rank} failed: {why}"[:500] + " (the other ranks were stopped)"
+            doc = json.loads(error_file(run_dir, rank).read_text())
+            msg = str(doc["message"]).strip().splitlines()[0]
+            log.debug("rank %d:\n%s", rank, doc.get("traceback", ""))
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return f"exit code {code}"
+        return msg[len(f"rank {rank}: "):] if msg.startswith(f"rank {rank}: ") else msg
+
+    reasons = {r: why(r, c) for r, c in sorted(failed.items())}
+    rank = next((r for r, c in sorted(failed.items()) if c < 0), None)
+    if rank is None:
+        rank = next((r for r, m in reasons.items() if "with rank(s)" not in m), min(reasons))
+    return f"rank {rank} failed: {reasons[rank]}"[:500] + " (the other ranks were stopped)"
+
+
+def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all."""
+    alive = [p for p in procs.values() if p.poll() is None]
+    for p in alive:
+        _signal(p, signal.SIGTERM)
+        _signal(p, signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only once continued
+    deadline = time.monotonic() + SHUTDOWN_S
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except ProcessLookupError:
+        pass

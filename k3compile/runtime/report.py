@@ -1,5 +1,5 @@
 """The result of a distributed run, from every rank's report (docs/architecture.md, "Sharding and the runtime"):
-used by `k3compile run` (runtime/launch.py) and by rank 0 of a torchrun launch (runtime/worker.py)."""
+used by `k3compile run`'s launcher on node 0 (runtime/launch.py), from what rank 0 gathered (runtime/worker.py)."""
 
 from __future__ import annotations
 
@@ -33,5 +33,5 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
                       "bytes_per_token": {k: v / rows for k, v in measured.items()},
                       "predicted_bytes_per_step": predicted})
     return {"mesh": doc["plan"]["mesh"], "dispatch": plan.dispatch, "tokens": tokens, "decode_s": decode_s,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else None,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
             "prefill_s": max(r["prefill_s"] for r in results), "ranks": ranks}

@@ -1,9 +1,10 @@
 """One rank of distributed decode (docs/architecture.md, "Sharding and the runtime").
 
-A worker is one process of a torch.distributed world (gloo on CPU), started by torchrun's elastic launcher: by
-`k3compile run` on one machine (runtime/launch.py), or by `torchrun ... -m k3compile.runtime.worker OUT ...` on
-each of several machines. It checks its own files against the manifest (partition.read_sharded), loads its library
-and weight shard into the Relax VM, and runs its step schedule for every token:
+A worker is one process of a torch.distributed world (gloo on CPU), started by `k3compile run`'s launcher
+(runtime/launch.py) on its machine, with its rank in the environment and its options in the launcher's private run
+folder (JSON). It joins the run's store (runtime/rendezvous.py), checks its own files against the manifest
+(partition.read_sharded), loads its library and weight shard into the Relax VM, and runs its step schedule for
+every token:
 
     recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
     latent partial sums, or all-to-all dispatch and combine, over its expert-parallel group: ops/collectives.py)
@@ -11,11 +12,14 @@ and weight shard into the Relax VM, and runs its step schedule for every token:
 
 Tensors cross between TVM and torch by DLPack (no copies). Every collective checks its place in the schedule and
 counts the payload bytes it hands over (`Stats`), which `run --stats` prints beside the plan's prediction. A peer
-that dies or a collective that waits past `timeout` raises here; the launcher then ends every rank.
+that dies or a collective that waits past `timeout` raises here; the worker writes its one-line error into the run
+folder and exits 1, and the launcher then ends every rank. At the end every rank's result crosses to rank 0 as JSON
+(`gather_json`: nothing a peer sends is unpickled), which writes them into its launcher's run folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -94,13 +98,14 @@ class Rank:
         import tvm
         from tvm import relax
 
-        from k3compile.backends.tvm import _load_library, read_weights
+        from k3compile import library
         from k3compile.ops import register_tvm_references
 
-        register_tvm_references()
+        register_tvm_references()  # the collectives' symbols, which the rank's graph calls
         self.device = tvm.cpu()
-        self.vm = relax.VirtualMachine(_load_library(folder / self.entry["library"]), self.device)
-        self.params = read_weights(folder / self.entry["weights"], self.entry["params"], self.device)
+        names, weights = self.entry["params"], folder / self.entry["weights"]
+        self.vm = relax.VirtualMachine(library.load(folder / self.entry["library"], names, weights), self.device)
+        self.params = library.read_weights(weights, names, self.device)
 
     # ---- the collectives, each checked against the schedule and counted -------------------------------------------
     def expect_collectives(self) -> None:
@@ -206,27 +211,21 @@ def _tvm(x):
     return tvm.runtime.tensor(x.numpy(), tvm.cpu())
 
 
-def decode(folder: str | Path, options: Options) -> dict:
-    """The worker's whole run (called in each process of the world): returns this rank's result. An error is
-    recorded for the launcher (torch elastic's error file), which names the rank."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    return record(_decode)(folder, options)
-
-
-def _decode(folder: str | Path, options: Options) -> dict:
+def decode(folder: str | Path, options: Options, rank: int, world: int, store) -> dict:
+    """This rank's whole run in a gloo world met through `store` (runtime/rendezvous.py): returns every rank's
+    result (each rank gets them all; rank 0's launcher reports them)."""
     import torch
     import torch.distributed as dist
 
     from k3compile.generate import check_request, left_pad, pick_next
     from k3compile.interface import init_past
     from k3compile.ops.collectives import set_collective
+    from k3compile.threads import use_threads
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if options.threads:
-        os.environ["TVM_NUM_THREADS"] = str(options.threads)  # read when TVM's thread pool starts (Rank._load)
-        torch.set_num_threads(options.threads)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=options.timeout))
+        use_threads(options.threads)  # before TVM's pool starts (Rank._load)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=options.timeout))
     try:
         me = Rank(Path(folder), rank, world, options)
         cfg, p = me.cfg, me.p
@@ -298,38 +297,104 @@ def _decode(folder: str | Path, options: Options) -> dict:
                   "padded_rows": padded, "tokens": out,
                   "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": me.stats.decode_steps,
                   "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
-        results = [None] * world
-        dist.all_gather_object(results, result)  # after decode: not counted
-        return {"rank": rank, "results": results}
+        return gather_json(result, world)  # after decode: not counted
     finally:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`torchrun ... -m k3compile.runtime.worker OUT --prompt-ids 1,2,3 [...]`: rank 0 prints the result JSON."""
-    import argparse
+def gather_json(doc: dict, world: int) -> list[dict]:
+    """Every rank's `doc`, on every rank, as JSON bytes over gloo (never pickles: all_gather_object unpickles what a
+    peer sends)."""
     import json
 
-    from k3compile.runtime.report import summarize
+    import torch
+    import torch.distributed as dist
 
-    ap = argparse.ArgumentParser(prog="k3compile.runtime.worker")
-    ap.add_argument("folder")
-    ap.add_argument("--prompt-ids", action="append", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
-    ap.add_argument("--states-dir", default=None)
-    args = ap.parse_args(argv)
-    prompts = [[int(x) for x in p.split(",") if x.strip()] for p in args.prompt_ids]
+    data = torch.frombuffer(bytearray(json.dumps(doc).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    longest = max(int(n) for n in sizes)
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, torch.cat([data, torch.zeros(longest - data.numel(), dtype=torch.uint8)]))
+    return [json.loads(b[:int(n)].numpy().tobytes()) for b, n in zip(bufs, sizes)]
+
+
+RUN_OPTIONS = "options.json"  # in the launcher's private run folder: what every worker of this node runs
+RESULT = "result.json"  # written there by rank 0: every rank's result
+ENV_RANK, ENV_WORLD = "K3COMPILE_RANK", "K3COMPILE_WORLD_SIZE"
+
+
+def error_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"error.rank{rank}.json"
+
+
+def write_options(run_dir: Path, folder: Path, options: Options, rendezvous) -> None:
+    """What the launcher hands its workers, as JSON in its private run folder (no pickles, no command line)."""
+    import json
+
+    doc = {"folder": str(folder), "rendezvous": [rendezvous.host, rendezvous.port],
+           "options": dataclasses.asdict(options)}
+    (Path(run_dir) / RUN_OPTIONS).write_text(json.dumps(doc))
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when its launcher dies, however it dies (no orphan left decoding)."""
+    import ctypes
+    import signal
+
     try:
-        res = decode(args.folder, Options(prompts, args.max_new_tokens, threads=args.threads, timeout=args.timeout,
-                                          states_dir=args.states_dir))
-    except UserError as e:
-        rank = f"rank {os.environ.get('RANK', '?')}"
-        print(f"Error: {e}" if str(e).startswith(rank + ":") else f"Error: {rank}: {e}", file=sys.stderr)
-        sys.exit(1)
-    if res["rank"] == 0:
-        print(json.dumps(summarize(args.folder, res["results"])))
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A worker process: `python -m k3compile.runtime.worker RUN_DIR`, started by runtime/launch.py with its rank in
+    the environment. An error is written to RUN_DIR/error.rank<r>.json (one line for the launcher) and exits 1."""
+    import json
+    import traceback
+
+    from k3compile.runtime.rendezvous import Rendezvous, join
+
+    args = sys.argv[1:] if argv is None else argv
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        print("Error: k3compile's workers are started by `k3compile run` (for several machines: `k3compile run "
+              "--nnodes N --node-rank R --rendezvous HOST:PORT` on each), not by torchrun, whose rendezvous unpickles "
+              "what its store holds", file=sys.stderr)
+        sys.exit(2)
+    if len(args) != 1 or ENV_RANK not in os.environ:
+        print("Error: this module is k3compile run's worker; use `k3compile run OUT`", file=sys.stderr)
+        sys.exit(2)
+    _die_with_parent()
+    run_dir = Path(args[0])
+    rank, world = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
+    try:
+        doc = json.loads((run_dir / RUN_OPTIONS).read_text())
+        options = Options(**doc["options"])
+        host, port = doc["rendezvous"]
+        store = join(Rendezvous(host, port), options.timeout)
+        results = decode(doc["folder"], options, rank, world, store)
+        if rank == 0:
+            tmp = run_dir / (RESULT + ".tmp")
+            tmp.write_text(json.dumps(results))
+            os.replace(tmp, run_dir / RESULT)
+    except BaseException as e:  # noqa: B036 - every way out is reported to the launcher, then the process exits
+        if isinstance(e, UserError):
+            msg = str(e)
+        elif isinstance(e, KeyboardInterrupt):
+            msg = "interrupted"
+        else:
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        msg = msg if msg.startswith(f"rank {rank}:") else f"rank {rank}: {msg}"
+        try:
+            error_file(run_dir, rank).write_text(json.dumps({"message": msg, "traceback": traceback.format_exc()}))
+        except OSError:
+            print(f"Error: {msg}", file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(1)  # a store client stuck on a silent listener is a thread that would keep the process alive
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

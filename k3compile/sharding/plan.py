@@ -35,6 +35,9 @@ class PlanError(UserError):
     """A mesh the model cannot be split over, or a malformed mesh or plan."""
 
 
+MAX_RANKS = 2**20  # the largest mesh (and `plan --devices`) taken: far past any supernode, still priced in seconds
+
+
 @dataclass(frozen=True)
 class Mesh:
     ep: int = 1
@@ -43,16 +46,21 @@ class Mesh:
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
-        """"ep=4,pp=2" (any order, each at most once, missing ones 1)."""
+        """"ep=4,pp=2" (any order, each at most once, missing ones 1; ASCII digits only: `\\d` and int() would also
+        take "２" and "١"), of at most MAX_RANKS ranks."""
         degrees: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in str(text).split(","))):
-            m = re.fullmatch(r"(ep|pp|dp)\s*=\s*(\d+)", part)
+            m = re.fullmatch(r"(ep|pp|dp)\s*=\s*([0-9]+)", part)
             if not m or m.group(1) in degrees:
                 raise PlanError(f"--mesh {text!r}: expected degrees like ep=4,pp=2 (ep, pp, dp; each once)")
+            if len(m.group(2).lstrip("0")) > len(str(MAX_RANKS)):  # int() refuses 4300 digits with a traceback
+                raise PlanError(f"--mesh {text!r}: a mesh has at most {MAX_RANKS} ranks")
             degrees[m.group(1)] = int(m.group(2))
         mesh = cls(**degrees)
         if min(mesh.ep, mesh.pp, mesh.dp) < 1:
             raise PlanError(f"--mesh {text!r}: every degree must be at least 1")
+        if mesh.size > MAX_RANKS:
+            raise PlanError(f"--mesh {text!r}: a mesh has at most {MAX_RANKS} ranks, this one {mesh.size}")
         return mesh
 
     @property
@@ -84,13 +92,20 @@ class RankPlan:
 
 def even_slices(n: int, parts: int) -> list[tuple[int, int]]:
     """[0, n) in `parts` contiguous slices, the first n % parts one longer."""
+    return [even_slice(n, parts, i) for i in range(parts)]
+
+
+def even_slice(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Slice i of even_slices(n, parts), without the others (a rank's rows of a batch over a large mesh)."""
     q, r = divmod(n, parts)
-    out, a = [], 0
-    for i in range(parts):
-        b = a + q + (1 if i < r else 0)
-        out.append((a, b))
-        a = b
-    return out
+    a = i * q + min(i, r)
+    return a, a + q + (1 if i < r else 0)
+
+
+def slice_runs(n: int, parts: int) -> list[tuple[int, int, int]]:
+    """even_slices(n, parts) as runs of slices of one length, (length, first slice, count): at most two."""
+    q, r = divmod(n, parts)
+    return [run for run in ((q + 1, 0, r), (q, r, parts - r)) if run[2]]
 
 
 def stage_cuts(cfg: K3Config, pp: int) -> list[int]:
@@ -157,11 +172,12 @@ class ShardPlan:
         """(first row, end row, padded count) of a batch of `batch` rows that rank r computes: its replica's rows,
         or with all_to_all its shard's part of them, padded to the group's largest part (static buffers)."""
         d, _, e = self.mesh.coords(r)
-        lo, hi = even_slices(batch, self.mesh.dp)[d]
+        lo, hi = even_slice(batch, self.mesh.dp, d)
         if self.dispatch != "all_to_all":
             return lo, hi, hi - lo
-        parts = even_slices(hi - lo, self.mesh.ep)
-        return lo + parts[e][0], lo + parts[e][1], parts[0][1] - parts[0][0]
+        a, b = even_slice(hi - lo, self.mesh.ep, e)
+        first = even_slice(hi - lo, self.mesh.ep, 0)
+        return lo + a, lo + b, first[1] - first[0]
 
     def schedule(self, r: int, cfg: K3Config) -> list[dict]:
         """Rank r's decode step, in order: recv / run (with its collectives) / send / broadcast."""
@@ -183,9 +199,9 @@ class ShardPlan:
         if not p.last:
             steps.append({"op": "send", "to": mesh.rank(p.replica, p.stage + 1, p.shard),
                           "tensors": carry_names(cfg, b)})
+        replica = self.replica_group(p.replica)  # one list, shared as `group` is by the collectives above
         for src in self.token_sources(p.replica):
-            steps.append({"op": "broadcast", "from": src, "group": self.replica_group(p.replica),
-                          "tensors": ["tokens"]})
+            steps.append({"op": "broadcast", "from": src, "group": replica, "tensors": ["tokens"]})
         return steps
 
     def as_record(self) -> dict:

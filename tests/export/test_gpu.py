@@ -294,7 +294,7 @@ def test_verify_device_on_an_export_runs_the_webgpu_kernels_and_names_the_refusa
 
 
 def test_a_k3_call_left_without_a_gpu_kernel_is_refused():
-    """On the CPU an uncovered k3 call runs the op's host reference; a device build cannot call it."""
+    """A k3 call no kernel covers is refused, naming the op (a written artifact never calls the host reference)."""
     from tvm import relax
 
     from k3compile.compile import _no_extern_calls

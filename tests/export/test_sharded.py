@@ -1,6 +1,7 @@
 """Sharded builds and distributed decode (k3compile/partition.py, k3compile/runtime/): every mesh's tokens and
 decode states against eager and against the single-process TVM build, the runtime's bytes against the plan and
-against the accounting rule written out here, two torchrun agents, a killed worker, damaged artifacts.
+against the accounting rule written out here, two nodes, a killed worker, damaged artifacts, and the network: what
+listens, and an attacker writing pickles into the run's store and sockets.
 
 The eight sharded artifacts (two models x four meshes) are built once per session with the CLI, two at a time.
 """
@@ -171,31 +172,144 @@ def test_data_parallel_replicas_decode_their_rows(sharded, references):
     assert all(r["bytes_per_step"] == r["predicted_bytes_per_step"] for r in res["ranks"])
 
 
-def test_two_torchrun_agents_decode_the_same_tokens(sharded, references, tmp_path):
-    """Two elastic agents on this machine (--nnodes 2, one worker each, rendezvous on localhost): the multi-node
-    path, as the README gives it."""
-    from k3compile.runtime.launch import free_port
+def free_port() -> int:
+    import socket
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_decode_the_same_tokens(sharded, references):
+    """Two launchers on this machine (--nnodes 2, one rank each, node 0 hosting the rendezvous on 127.0.0.1): the
+    several-machines path, as the README gives it; node 1 started first waits for node 0."""
     eager, _ = references["k3-tiny"]
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "k3test",
-           "-m", "k3compile.runtime.worker", str(sharded[("k3-tiny", "ep=2", "all-reduce")]),
-           "--max-new-tokens", str(NEW),
+    cmd = [sys.executable, "-m", "k3compile.cli", "run", str(sharded[("k3-tiny", "ep=2", "all-reduce")]), "--json",
+           "--nnodes", "2", "--rendezvous", f"127.0.0.1:{port}", "--max-new-tokens", str(NEW),
            *(a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p))))]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [a.communicate(timeout=300) for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outs]
-    printed = [json.loads(line) for o, _ in outs for line in o.splitlines() if line.startswith("{")]
-    assert len(printed) == 1 and printed[0]["tokens"] == want  # rank 0 prints, on whichever agent holds it
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (1, 0)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert outs[0][0] == ""  # node 1 prints nothing on stdout; node 0 the result
+    assert json.loads(outs[1][0])["tokens"] == want
+
+
+def test_a_node_with_no_rendezvous_to_join_fails_in_its_timeout(sharded, tmp_path):
+    """Node 1 pointed at a port where nothing listens, and at one held by a listener that never answers (a TCPStore
+    client alone would wait there forever): one line each, within the timeout. Node 0 on a port in use: one line."""
+    import socket
+
+    folder = str(sharded[("k3-tiny", "ep=2", "all-reduce")])
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(5)
+        for port in (free_port(), silent.getsockname()[1]):
+            t0 = time.monotonic()
+            res = cli("run", folder, "--nnodes", "2", "--node-rank", "1", "--rendezvous", f"127.0.0.1:{port}",
+                      "--timeout", "3", "--max-new-tokens", "2", timeout=120)
+            assert time.monotonic() - t0 < 3 + 30  # the timeout, plus starting Python and torch
+            assert res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr[-2000:]
+            assert "cannot join the run" in res.stderr and "Traceback" not in res.stderr and res.stdout == ""
+        res = cli("run", folder, "--nnodes", "2", "--node-rank", "0", "--rendezvous",
+                  f"127.0.0.1:{silent.getsockname()[1]}", "--timeout", "3", "--max-new-tokens", "2", timeout=120)
+        assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "cannot listen" in res.stderr, res.stderr
+
+
+def test_nothing_listens_beyond_loopback_and_nothing_from_the_network_is_unpickled(sharded, tmp_path):
+    """While a run decodes: every listening socket of the launcher and its workers is on 127.0.0.1 (psutil). Then an
+    attacker on this machine does what the elastic agent's store invited: it overwrites every key of the run's store
+    with a pickle that would create a file when unpickled, adds keys of its own, and writes the pickle into every
+    gloo listener. Nothing of it runs (the file never appears) and the run still decodes its tokens."""
+    import datetime
+    import os
+    import pickle
+
+    import psutil
+    import torch.distributed as dist
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = pickle.dumps(Payload())
+    folder = sharded[("k3-tiny", "ep=2", "all-reduce")]
+    proc = subprocess.Popen([sys.executable, "-m", "k3compile.cli", "run", str(folder), "--max-new-tokens", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # progress on stderr
+    try:
+        while not proc.stderr.readline().startswith("step 5/"):
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        listening = [(p.pid, c.laddr) for p in tree for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 3  # the store, and gloo's listeners in each worker
+        assert {a.ip for _, a in listening} == {"127.0.0.1"}, listening
+        store_port = next(a.port for pid, a in listening if pid == proc.pid)
+        store = dist.TCPStore("127.0.0.1", store_port, None, False, datetime.timedelta(seconds=10))
+        keys = store.list_keys()
+        assert keys  # gloo's addresses
+        for key in [*keys, "torch.rendezvous.k3", "result", "k3compile"]:
+            store.set(key, evil)
+        import socket
+
+        for pid, addr in listening:
+            if pid != proc.pid:
+                with socket.create_connection((addr.ip, addr.port), timeout=5) as s:
+                    s.sendall(evil)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert len(out.splitlines()[0].split(" -> ")[1].split(",")) == 200  # "1,2,3 -> t1,...,t200"
+    assert not marker.exists()
+
+
+def test_sigterm_ends_a_run_with_143_and_no_worker_left(sharded):
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "k3compile.cli", "run", str(sharded[("k3-tiny", "ep=2",
+                             "all-reduce")]), "--max-new-tokens", "4000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while not proc.stderr.readline().startswith("step 10/"):
+        assert proc.poll() is None
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len(workers) == 2
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert [ln for ln in err.splitlines() if ln.startswith("Error:")] == [
+        "Error: terminated by SIGTERM (temporary files removed)"] and "Traceback" not in err
+    time.sleep(0.5)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_torchrun_is_refused_and_threads_are_capped(sharded, tmp_path):
+    """torchrun's c10d rendezvous unpickles its store's state: a worker under torchrun refuses to start. `--threads
+    1000` runs on at most the cores this process may use (it used to start 2000 threads per worker and hang)."""
+    from k3compile.threads import available_cores
+
+    folder = str(sharded[("k3-tiny", "ep=2", "all-reduce")])
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--rdzv-backend",
+                          "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "k3compile.runtime.worker",
+                          folder], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "not by torchrun" in res.stderr
+    res = cli("run", folder, "--threads", "1000", "--max-new-tokens", "2", "--json", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(json.loads(res.stdout)["tokens"][0]) == 2
+    from k3compile.runtime.launch import default_threads
+
+    assert default_threads(2) == max(1, available_cores() // 2)
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_a_lost_worker_ends_the_run_naming_its_rank(sharded, how):
-    """SIGKILL: the agent sees rank 1 die. SIGSTOP: rank 1 goes silent, rank 0's next collective times out after
-    --timeout (5 s) naming rank 1 as the peer, and the agent kills the frozen worker (after torch's 30 s SIGTERM
-    grace). Either way: one error line, exit 1, no worker left."""
+    """SIGKILL: the launcher sees rank 1 die. SIGSTOP: rank 1 goes silent, rank 0's next collective times out after
+    --timeout (5 s) naming rank 1 as the peer, and the launcher kills the frozen worker. Either way: one error line,
+    exit 1, no worker left."""
     import psutil
 
     folder = sharded[("k3-tiny", "pp=2", "all-reduce")]
@@ -217,7 +331,7 @@ def test_a_lost_worker_ends_the_run_naming_its_rank(sharded, how):
     t0 = time.monotonic()
     victim.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     _, err = proc.communicate(timeout=120)
-    assert time.monotonic() - t0 < (30 if how == "killed" else 5 + 30 + 20)  # timeout + grace + margin
+    assert time.monotonic() - t0 < (30 if how == "killed" else 5 + 5 + 20)  # timeout + SIGTERM grace + margin
     assert proc.returncode == 1
     errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
     assert len(errors) == 1, err[-2000:]
@@ -235,7 +349,7 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("damage", ["weights", "missing", "plan"])
+@pytest.mark.parametrize("damage", ["weights", "missing", "plan", "params"])
 def test_a_damaged_artifact_is_refused_with_one_line(sharded, tmp_path, damage):
     folder = _copy(sharded[("k3-tiny", "ep=2", "all-reduce")], tmp_path)
     if damage == "weights":
@@ -247,11 +361,22 @@ def test_a_damaged_artifact_is_refused_with_one_line(sharded, tmp_path, damage):
     elif damage == "missing":
         (folder / "rank1" / "model.so").unlink()
         expect = "rank1/model.so: missing"
-    else:
+    elif damage == "plan":
         doc = json.loads((folder / "manifest.json").read_text())
         doc["plan"]["expert_slices"] = [[0, 5], [5, 8]]
         (folder / "manifest.json").write_text(json.dumps(doc))
         expect = "not the plan of its mesh"
+    else:  # two same-shape weights swapped in rank 1's entry (no file touched): other tokens, exit 0, before
+        from safetensors import safe_open
+
+        doc = json.loads((folder / "manifest.json").read_text())
+        names = doc["ranks"][1]["params"]
+        with safe_open(folder / "rank1" / "weights.safetensors", "np") as f:
+            shapes = [(f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in names]
+        i, j = next((i, j) for i in range(len(names)) for j in range(i + 1, len(names)) if shapes[i] == shapes[j])
+        names[i], names[j] = names[j], names[i]
+        (folder / "manifest.json").write_text(json.dumps(doc))
+        expect = "was compiled to take"
     res = cli("run", str(folder), "--max-new-tokens", "2")
     assert res.returncode == 1 and res.stdout == ""
     assert res.stderr.count("Error:") == 1 and expect in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -114,12 +114,16 @@ def _module(heads):
 
 def test_pass_lowers_static_kda_calls_and_leaves_the_rest():
     from k3compile.passes import run_phases
+    from k3compile.passes.lower_k3_calls import declined
 
-    lowered = str(run_phases(_module(2), upto="lower-k3-calls")["main"])
+    mod = run_phases(_module(2), upto="lower-k3-calls")
+    lowered = str(mod["main"])
     assert 'call_dps_packed("k3.kda_recurrence"' not in lowered and "k3_kda_recurrence_2_8_8" in lowered
-    assert 'call_dps_packed("k3.unknown"' in lowered  # no kernel: stays extern
-    symbolic = str(run_phases(_module(tvm.tirx.Var("h", "int64")), upto="lower-k3-calls")["main"])
-    assert 'call_dps_packed("k3.kda_recurrence"' in symbolic  # a head count that is not static: left alone
+    assert 'call_dps_packed("k3.unknown"' in lowered  # no kernel: stays extern, and says so (the build refuses it)
+    assert declined(mod) == {"k3.unknown": ["no kernel is written for this op"]}
+    mod = run_phases(_module(tvm.tirx.Var("h", "int64")), upto="lower-k3-calls")
+    assert 'call_dps_packed("k3.kda_recurrence"' in str(mod["main"])  # a head count that is not static: left alone
+    assert declined(mod)["k3.kda_recurrence"] == ["the head count and widths (H, K, V) = (h, 8, 8) are not all static"]
 
 
 # ---- the MoE dispatch with MXFP4 experts ----------------------------------------------------------------------------
