@@ -71,9 +71,11 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
-        _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir)
-        executable.export_library(str(w.path / LIBRARY))
         tgt = resolve(target)
+        _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir,
+                                             library_path=None if tgt.gpu else w.path / LIBRARY)
+        if tgt.gpu:
+            executable.export_library(str(w.path / LIBRARY))
         if tgt.gpu:
             from k3compile.targets.gpu import device_source
 
@@ -128,19 +130,21 @@ def _dump_folder(path: str | Path, create: bool = True, apart_from: tuple = ()) 
 
 
 def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,
-          dump_ir: str | Path | None = None, executable: bool = True):
+          dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
     """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `target`: returns
     (module, executable, weight names, weights): the weights are main's parameters after the graph inputs, already
     put in the target's layout by running the lifted `main_transform_params` once. A GPU target with
     `executable=False` stops before TVM's code generation (the executable is then None): what the device runner
-    (k3compile/devices.py) needs."""
+    (k3compile/devices.py) needs. With `library_path` (a CPU target), the library is exported there first and the
+    executable returned is that file, loaded (library.transform_weights says why)."""
     import onnx
 
-    return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), target, progress, dump_ir, executable)
+    return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), target, progress, dump_ir, executable,
+                       library_path)
 
 
 def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | None = None,
-                dump_ir: str | Path | None = None, executable: bool = True):
+                dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
     """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
     extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
     TVM compiles anything, on every target."""
@@ -165,6 +169,9 @@ def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | N
     with tgt.compiling():
         executable = tvm.compile(library.with_signature(mod, names), target=tgt.tvm(),
                                  relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    if library_path is not None:
+        executable.export_library(str(library_path))
+        executable = library.load(Path(library_path))
     step("putting the weights in the target's layout")
     return mod, executable, names, library.transform_weights(executable, raw)
 

@@ -53,19 +53,15 @@ def with_signature(mod, names: list[str]):
 
 
 def transform_weights(executable, raw: list) -> list:
-    """Run a CPU build's `main_transform_params` on the raw weights (their layout for the target). On a loaded copy
-    of the library: a VM made on the executable itself records an empty memory scope per constant (TVM 0.27,
-    vm.cc), which its export then saves and every load prints ("Scope Saving:", "Scope Loaded:")."""
-    import tempfile
-
+    """Run a CPU build's `main_transform_params` on the raw weights (their layout for the target). `executable`:
+    the compiled module, or (before it is shipped) the library file it was exported to, loaded: a VM made on an
+    executable that is exported afterwards leaves an empty memory scope per constant in the file (TVM 0.27, vm.cc),
+    which every load then prints ("Scope Saving:", "Scope Loaded:"); so writers export first, then transform."""
     import tvm
     from tvm import relax
 
-    with tempfile.TemporaryDirectory(prefix="k3compile-transform-") as work:
-        path = Path(work) / "transform.so"
-        executable.export_library(str(path))
-        vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
-        return list(vm["main_transform_params"](list(raw)))
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    return list(vm["main_transform_params"](list(raw)))
 
 
 def check_elf(path: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -333,19 +334,19 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                 del model
             del state
             key = structure_key(proto)
-            if key in builds:
-                built_by, executable, names = builds[key]
-                step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
-                _, _, raw = to_relax(proto, keep_params=True)
-                weights = library.transform_weights(executable, raw)
-            else:
-                _, executable, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
-                    f"{t}: {m}"))
-                builds[key] = (p.rank, executable, names)
-                built_by = p.rank
             folder = w.path / rank_dir(p.rank)
             folder.mkdir()
-            executable.export_library(str(folder / LIBRARY))
+            if key in builds:  # the same library: copied, its weight transform run on this rank's tensors
+                built_by, loaded, names = builds[key]
+                step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
+                shutil.copyfile(w.path / rank_dir(built_by) / LIBRARY, folder / LIBRARY)
+                _, _, raw = to_relax(proto, keep_params=True)
+                weights = library.transform_weights(loaded, raw)
+            else:
+                _, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
+                    f"{t}: {m}"), library_path=folder / LIBRARY)
+                builds[key] = (p.rank, loaded, names)
+                built_by = p.rank
             save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
             del weights, proto
             ranks.append({"rank": p.rank, "replica": p.replica, "stage": p.stage, "shard": p.shard,

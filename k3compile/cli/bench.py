@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from k3compile.bench import BACKENDS, MAX_REPEATS
-from k3compile.cli.common import dumps, status, user_errors
+from k3compile.cli.common import IntRange, dumps, status, user_errors
 from k3compile.errors import UserError
 from k3compile.sharding.plan import DISPATCH
 
@@ -90,13 +90,13 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.argument("source", default="k3-small")
 @click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
               help="Comma-separated: eager, onnx, tvm.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=IntRange(min=1), default=None,
               help="Threads of every backend (torch, onnxruntime, TVM) [default: every core].")
-@click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=5, show_default=True,
+@click.option("--repeats", type=IntRange(1, MAX_REPEATS), default=5, show_default=True,
               help=f"Interleaved repetitions; figures are medians (at most {MAX_REPEATS}).")
 @click.option("--decode-batches", default="1,8", show_default=True, callback=_sizes,
               help="Batch sizes of the decode runs (refused when a step would not fit in memory).")
-@click.option("--decode-steps", type=click.IntRange(1, MAX_SIZE), default=8, show_default=True,
+@click.option("--decode-steps", type=IntRange(1, MAX_SIZE), default=8, show_default=True,
               help="Decode steps measured (refused past the model's max_position_embeddings).")
 @click.option("--prefill", default="512,2048", show_default=True, callback=_sizes,
               help="Prompt lengths of the prefill runs (refused past the model's max_position_embeddings or this "

@@ -18,16 +18,35 @@ from k3compile.export import DEFAULT_TOL
 __all__ = ["DEFAULT_TOL", "SEED", "THREADS_HELP", "FiniteFloat", "dumps", "parse_ids", "progress", "status",
            "user_errors"]
 
-SEED = click.IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 EXIT_SIGTERM = 128 + 15
 
 
+_NUMBER = re.compile(r"\s*[-+]?[0-9]+\s*")  # what an integer option takes: int() would also take "1_0" and "５"
+
+
+def _short(value: str) -> str:
+    return repr(value[:24]) + ("…" if len(value) > 24 else "")
+
+
+class IntRange(click.IntRange):
+    """click's IntRange taking ASCII digits only (no "１" or "1_0", which int() accepts), at most 40 of them (int()
+    refuses 4300 with a traceback; the range says the rest)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not (_NUMBER.fullmatch(value) and len(value.strip().lstrip("+-")) <= 40):
+            self.fail(f"{_short(value)} is not an integer in ASCII digits", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class FiniteFloat(click.FloatRange):
-    """A FloatRange that also refuses nan and inf (click's comparisons let nan through every bound)."""
+    """A FloatRange that also refuses nan and inf (click's comparisons let nan through every bound) and numbers not
+    written in ASCII."""
 
     name = "finite float"
 
     def convert(self, value, param, ctx):
+        if isinstance(value, str) and (not value.isascii() or "_" in value):
+            self.fail(f"{_short(value)} is not a number in ASCII digits", param, ctx)
         v = super().convert(value, param, ctx)
         if not math.isfinite(v):
             self.fail(f"{value!r} is not a finite number", param, ctx)
@@ -107,6 +126,7 @@ def parse_ids(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
+SEED = IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed takes
 THREADS_HELP = ("CPU threads for torch, onnxruntime and TVM, at most the cores this process may use [default: 1 below "
                 "hidden size 512, else every core].")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from k3compile.cli import common
-from k3compile.cli.common import dumps, status, user_errors
+from k3compile.cli.common import IntRange, dumps, status, user_errors
 
 
 @click.command("compile")
@@ -16,7 +16,7 @@ from k3compile.cli.common import dumps, status, user_errors
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
 @click.option("--dump-ir", "dump_ir", type=click.Path(file_okay=False), default=None,
               help="Write the IR before and after each compile phase (TVMScript) into this new or empty folder.")
-@click.option("--tune", "tune", type=click.IntRange(0, 100_000), default=0, show_default=True, metavar="N",
+@click.option("--tune", "tune", type=IntRange(0, 100_000), default=0, show_default=True, metavar="N",
               help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all (at most "
                    "100000); 0: no tuning. Minutes: each builder worker starts in ~1 minute.")
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",

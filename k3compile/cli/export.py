@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from k3compile.cli import common
-from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, dumps, status, user_errors
+from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, IntRange, dumps, status, user_errors
 from k3compile.config import EXPERT_CHOICES
 from k3compile.modes import ACT_QUANT_FLAGS
 from k3compile.presets import DEFAULT_PRESET
@@ -19,7 +19,7 @@ from k3compile.presets import DEFAULT_PRESET
               help="Routed-expert weights in the file: as SOURCE stores them, packed MXFP4, or float.")
 @click.option("--activations", type=click.Choice(list(ACT_QUANT_FLAGS)), default="none",
               show_default=True, help="MXFP8 (E4M3, or E5M2) activation quantization in front of the expert matmuls.")
-@click.option("--opset", default=27, show_default=True, type=int, help="Default-domain ONNX opset (>= 27).")
+@click.option("--opset", default=27, show_default=True, type=IntRange(min=0), help="Default-domain ONNX opset (>= 27).")
 @click.option("--weight-seed", "weight_seed", default=None, type=SEED,
               help="Seed of the random weights when SOURCE is a preset or a config.json [default: 0].")
 @click.option("--seed", "seed_alias", default=None, type=SEED, hidden=True, help="Old name of --weight-seed.")
@@ -38,7 +38,7 @@ from k3compile.presets import DEFAULT_PRESET
               help="With --mesh: how the ranks of a stage join their expert slices: all-reduce the latent partial "
                    "sums (every rank computes every row), or split the rows and send each token to its experts' "
                    "ranks and back (all-to-all with static no-drop buffers).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print export.json (with --target: manifest.json) on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,

@@ -6,7 +6,17 @@ from contextlib import nullcontext
 
 import click
 
-from k3compile.cli.common import SEED, THREADS_HELP, FiniteFloat, dumps, parse_ids, progress, status, user_errors
+from k3compile.cli.common import (
+    SEED,
+    THREADS_HELP,
+    FiniteFloat,
+    IntRange,
+    dumps,
+    parse_ids,
+    progress,
+    status,
+    user_errors,
+)
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
 
@@ -15,7 +25,7 @@ from k3compile.presets import DEFAULT_PRESET
 @click.argument("source", default=DEFAULT_PRESET)
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
-@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
+@click.option("--max-new-tokens", default=16, show_default=True, type=IntRange(min=0))
 @click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference", "tvm"]), default="eager",
               show_default=True,
               help="eager: the PyTorch model; onnx: onnxruntime on an export folder; onnx-reference: onnx.reference "
@@ -30,7 +40,7 @@ from k3compile.presets import DEFAULT_PRESET
               help="Seed of the random weights when SOURCE is a preset or a config.json.")
 @click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True,
               help="Routed-expert weights of SOURCE: as stored, dequantized to float, or quantized to MXFP4.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.common import FiniteFloat, dumps, table_console, user_errors
+from k3compile.cli.common import FiniteFloat, IntRange, dumps, table_console, user_errors
 from k3compile.sharding.plan import MAX_RANKS
 
 GIB = 2**30
-SIZE = click.IntRange(1, 2**31 - 1)  # every size at most 2^31 - 1 (docs/architecture.md, "Errors")
+SIZE = IntRange(1, 2**31 - 1)  # every size at most 2^31 - 1 (docs/architecture.md, "Errors")
 MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerator
 
 
 @click.command("plan")
 @click.argument("source", default="k3")
-@click.option("--devices", required=True, type=click.IntRange(1, MAX_RANKS),
+@click.option("--devices", required=True, type=IntRange(1, MAX_RANKS),
               help=f"Accelerators of the supernode (at most {MAX_RANKS}).")
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Only this mesh (dp fills the devices it leaves); refused when it cannot hold the model.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.common import SEED, FiniteFloat, dumps, parse_ids, table_console, user_errors
+from k3compile.cli.common import SEED, FiniteFloat, IntRange, dumps, parse_ids, table_console, user_errors
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
 
@@ -13,18 +13,18 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
 @click.argument("folder", type=click.Path(file_okay=False))
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
-@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
+@click.option("--max-new-tokens", default=16, show_default=True, type=IntRange(min=0))
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0), help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=SEED, help="Seed of the sampling.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=IntRange(min=1), default=None,
               help="CPU threads per rank, at most the cores this process may use [default: those cores / ranks, at "
                    "least 1].")
 @click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
               help="Seconds a collective (or joining the run) waits for a peer before every rank gives up.")
-@click.option("--nnodes", default=1, show_default=True, type=click.IntRange(1, 4096),
+@click.option("--nnodes", default=1, show_default=True, type=IntRange(1, 4096),
               help="Machines the ranks are spread over (ranks in node order); run this command on each.")
-@click.option("--node-rank", default=0, show_default=True, type=click.IntRange(0, 4095),
+@click.option("--node-rank", default=0, show_default=True, type=IntRange(0, 4095),
               help="This machine's place among the --nnodes (node 0 hosts the rendezvous and prints the result).")
 @click.option("--rendezvous", default=None, metavar="HOST:PORT",
               help="With --nnodes > 1: an address of node 0 that every node reaches; node 0 listens on it (only), the "

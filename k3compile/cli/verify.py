@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.common import DEFAULT_TOL, THREADS_HELP, FiniteFloat, dumps, status, table_console, user_errors
+from k3compile.cli.common import (
+    DEFAULT_TOL,
+    THREADS_HELP,
+    FiniteFloat,
+    IntRange,
+    dumps,
+    status,
+    table_console,
+    user_errors,
+)
 
 
 @click.command("verify")
@@ -12,7 +21,7 @@ from k3compile.cli.common import DEFAULT_TOL, THREADS_HELP, FiniteFloat, dumps, 
 @click.option("--reference", is_flag=True, help="Also run onnx.reference (slow; small inputs).")
 @click.option("--tolerance", default=DEFAULT_TOL, show_default=True, type=FiniteFloat(min=0.0),
               help="Largest max-abs difference accepted (fp32).")
-@click.option("--decode-steps", default=2, show_default=True, type=click.IntRange(min=0, max=4096))
+@click.option("--decode-steps", default=2, show_default=True, type=IntRange(min=0, max=4096))
 @click.option("--source", "source_override", default=None,
               help="Rebuild the eager model from here instead of export.json's record.")
 @click.option("--per-layer", "per_layer", is_flag=True,
@@ -21,7 +30,7 @@ from k3compile.cli.common import DEFAULT_TOL, THREADS_HELP, FiniteFloat, dumps, 
               help="Run the model's k3 kernels for this GPU target on this machine's driver (OpenCL: PoCL; WebGPU: "
                    "wgpu on Vulkan) against the llvm build and eager, then the whole model kernel by kernel "
                    "(FOLDER: an export, or an artifact compiled for that target).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(folder, reference, tolerance, decode_steps, source_override, per_layer, device, threads, as_json,

@@ -273,6 +273,32 @@ def test_kimi_linear_checkpoints_export_compile_and_generate_eager_tokens(kimi_a
     assert json.loads(res.stdout)["tokens"] == generate(EagerBackend(load_model(ckpt)), PROMPTS, 8).tokens
 
 
+@pytest.mark.parametrize("name", [*ORACLE])
+def test_kimi_linear_artifact_onnx_and_tvm_equal_eager(kimi_artifacts, name):
+    """The export inside each artifact (float experts, SiLU, low-rank KDA gate, no AttnRes, no latent MoE): its
+    onnxruntime run and the compiled library equal eager in every output, prefill and three decode steps, and give
+    eager's 32 greedy tokens for a left-padded batch (formerly tests/export/test_export_kimi_linear.py, which
+    exported the same checkpoints a second time)."""
+    from k3compile.backends.eager import EagerBackend
+    from k3compile.backends.onnx import OnnxBackend
+    from k3compile.backends.tvm import TvmBackend
+    from k3compile.generate import generate
+    from k3compile.modes import Forms
+    from k3compile.source import load_model
+    from k3compile.verify import compare
+
+    ckpt, out = kimi_artifacts[name]
+    model = load_model(ckpt)
+    assert json.loads((out / "export.json").read_text())["k3_nodes"] == {"KDARecurrence": 4, "LatentMoEDispatch": 4}
+    prompts = [[5, 6, 7, 8, 9], [40], [90, 91, 92]]
+    eager_tokens = generate(EagerBackend(model), prompts, 32).tokens
+    for backend in (OnnxBackend(out), TvmBackend(out)):
+        rows = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=3, prompts=prompts)
+        bad = [r for r in rows if not r["max_abs"] <= 1e-4]  # fp32, summation order only; a NaN row fails too
+        assert not bad, (backend.name, bad[:3])
+        assert generate(backend, prompts, 32).tokens == eager_tokens, backend.name
+
+
 def test_mxfp8_export_of_partial_blocks_is_one_line(kimi_artifacts, tmp_path):
     ckpt = kimi_artifacts["no-q-lora"][0]
     one_line_error(run("export", ckpt, "--activations", "mxfp8", "-o", tmp_path / "out"),

@@ -83,21 +83,6 @@ def test_generate_with_the_tvm_backend(tiny_export):
     assert json.loads(r.output)["tokens"] == json.loads(r_eager.output)["tokens"]
 
 
-def test_generate_a_preset_builds_it_into_the_cache_once(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("K3COMPILE_CACHE", str(cache))
-    args = ("generate", "k3-tiny", "--prompt-ids", "4,5,6", "--max-new-tokens", "5", "--json", "--quiet")
-    r = run(*args, "--backend", "tvm")
-    assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["tokens"] == json.loads(run(*args).output)["tokens"]  # eager
-    (entry,) = [p for p in (cache / "artifacts").iterdir() if p.is_dir()]  # beside it: its tag
-    stamp = (entry / "manifest.json").stat().st_mtime_ns
-    again = run(*args, "--backend", "tvm")
-    assert again.exit_code == 0 and json.loads(again.output)["tokens"] == json.loads(r.output)["tokens"]
-    assert sorted(p.name for p in (cache / "artifacts").iterdir()) == [entry.name, entry.name + ".tag"]  # reused
-    assert (entry / "manifest.json").stat().st_mtime_ns == stamp
-
-
 def test_cache_keys_differ_with_what_determines_the_build(tmp_path):
     from k3compile.cache import entry_key
     from k3compile.source import record

@@ -115,6 +115,23 @@ def test_a_file_added_while_the_run_works_is_kept(tmp_path):
     assert (folder / "late.txt").read_text() == "keep" and (folder / "model.onnx").is_file()
 
 
+LINKER_FULL = RuntimeError("Compilation error:\n/usr/bin/ld: final link failed: No space left on device")
+SAFETENSORS_FULL = ValueError('Error while serializing: IoError(Os { code: 28, message: "No space left on device" })')
+
+
+@pytest.mark.parametrize("error", [LINKER_FULL, SAFETENSORS_FULL])
+def test_a_full_disk_in_another_librarys_error_is_one_line(tmp_path, error):
+    """TVM's linker and safetensors report a full disk in their own exception types (seen on a 256 KiB tmpfs during
+    `compile` and `export --mesh`): one error saying nothing was written, no work folder left."""
+    with pytest.raises(ExportError, match=r"writing failed \(No space left on device\); nothing was written"):
+        with writing(tmp_path / "out", ExportError):
+            raise error
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyError):  # anything else is a bug: not turned into a user's error
+        with writing(tmp_path / "out", ExportError):
+            raise KeyError("x")
+
+
 # ---- the cache folder -------------------------------------------------------------------------------------------
 
 def test_the_cache_folder_is_made_private(private_cache):

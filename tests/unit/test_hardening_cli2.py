@@ -11,7 +11,7 @@ import time
 from functools import cache
 
 import pytest
-from hardening import examples, ok_or_one_line_error, one_line_error, run
+from hardening import crashed, examples, ok_or_one_line_error, one_line_error, run
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -338,3 +338,17 @@ def test_the_embedding_lookup_legalizes_without_the_fast_mode_warning(capfd):
         bb.emit_func_output(bb.emit(relax.op.take(x, i, 0, mode="fast")))
     relax.transform.LegalizeOps()(bb.get())
     assert "Fast mode" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ("generate", "--max-new-tokens", "５"), ("generate", "--max-new-tokens", "1_0"),
+    ("generate", "--seed", "٣"), ("generate", "--temperature", "０.5"), ("generate", "--temperature", "1_0.5"),
+    ("run", "x", "--timeout", "６0"), ("plan", "--devices", "６４"), ("bench", "--repeats", "５"),
+    ("export", "-o", "x", "--opset", "２７"), ("generate", "--max-new-tokens", "9" * 5000),
+])
+def test_every_number_option_takes_ascii_digits_only(args):
+    """Python's int() and float() take "５", "٣" and "1_0" (click's types call them): every number option of every
+    verb refuses them with one line, before any work; a 5000-digit number too (int() refuses it with a traceback)."""
+    r = run(*args)
+    assert r.exit_code == 2 and not crashed(r), r.output
+    assert "ASCII digits" in r.output and len(r.output) < 1000
