@@ -35,6 +35,8 @@ DEVICE_SOURCE = "device"  # + the target's suffix: device.cl, device.wgsl, devic
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
 KIND = "tvm-executable"
+LAUNCH_PLAN = "launch.json"  # GPU targets: main's calls and kernels as data (targets/launch_plan.py)
+CONSTANTS = "constants.safetensors"  # GPU targets: main's constant tensors the plan names
 
 
 def check_target(target: str) -> None:
@@ -72,14 +74,18 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
         tgt = resolve(target)
-        _, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir,
-                                             library_path=None if tgt.gpu else w.path / LIBRARY)
-        if tgt.gpu:
-            executable.export_library(str(w.path / LIBRARY))
+        mod, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir,
+                                               library_path=None if tgt.gpu else w.path / LIBRARY)
         if tgt.gpu:
             from k3compile.targets.gpu import device_source
+            from k3compile.targets.launch_plan import launch_plan
 
+            executable.export_library(str(w.path / LIBRARY))
             (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
+            step("writing the launch plan")  # what the executors run (backends/executor.py), without TVM
+            plan, constants = launch_plan(mod, tgt)
+            write_json(w.path / LAUNCH_PLAN, plan)
+            save_file(constants, str(w.path / CONSTANTS))
         tuning = None
         if tune:
             decode, rows = build_decode(export_dir, target, tune, work, progress=step)

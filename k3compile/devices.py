@@ -18,13 +18,9 @@ import struct
 
 import numpy as np
 
-from k3compile.interface import ExportError
+from k3compile.executors.opencl import DeviceError, OpenCLDriver, padded  # one error type for every device here
 
 DRIVERS = ("opencl", "webgpu")
-
-
-class DeviceError(ExportError):
-    """A device platform that cannot be opened here (no driver), or a kernel it refuses."""
 
 
 @functools.cache
@@ -141,54 +137,29 @@ def run_main(mod, target, args: list[np.ndarray], dev=None, progress=None) -> li
     return result if isinstance(result, list) else [result]
 
 
-class OpenCL:
-    """pyopencl on the first OpenCL platform with a device."""
+class OpenCL(OpenCLDriver):
+    """The executors' OpenCL driver (executors/opencl.py), launching lowered kernels (targets/gpu.py) one at a time:
+    each kernel's source is generated and built on its first launch."""
 
     def __init__(self) -> None:
-        try:
-            import pyopencl as cl
-
-            platforms = cl.get_platforms()
-        except Exception as e:  # noqa: BLE001 - pyopencl or the ICD loader: the reason is the message
-            raise DeviceError(f"OpenCL: no platform ({e}); install an ICD (Debian: pocl-opencl-icd)") from None
-        devices = [d for p in platforms for d in p.get_devices()]
-        if not devices:
-            raise DeviceError("OpenCL: the platforms have no device")
-        self.cl = cl
-        self.device = devices[0]
-        self.ctx = cl.Context(devices=[self.device])
-        self.queue = cl.CommandQueue(self.ctx)
-        self._programs: dict[str, object] = {}
-
-    def describe(self) -> str:
-        return f"{self.device.platform.name}: {self.device.name}"
-
-    def upload(self, array: np.ndarray):
-        mf = self.cl.mem_flags
-        return self.cl.Buffer(self.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=_padded(array))
+        super().__init__(0)
+        self._built: set = set()
 
     def download(self, handle, like: np.ndarray) -> np.ndarray:
-        raw = np.empty(max(like.nbytes, 4), np.uint8)
-        self.cl.enqueue_copy(self.queue, raw, handle)
-        return raw[:like.nbytes].view(like.dtype).reshape(like.shape).copy()
+        raw = super().download(handle, like.nbytes)
+        return np.frombuffer(raw, np.uint8).view(like.dtype).reshape(like.shape).copy()
 
     def launch(self, launch, target, handles) -> None:
         from k3compile.targets.gpu import kernel_source
 
         key = _key(launch.kernel)
-        if key not in self._programs:
-            source = kernel_source(launch.kernel, target.tvm())
-            try:
-                program = self.cl.Program(self.ctx, source).build()
-            except self.cl.RuntimeError as e:
-                raise DeviceError(f"OpenCL refused kernel {launch.kernel.name}: {_reason(e)}") from None
-            self._programs[key] = getattr(program, launch.kernel.name)
-        kernel = self._programs[key]
-        scalars = [np.dtype(p.dtype).type(v) for p, v in zip((p for p in launch.kernel.params if not p.buffer),
-                                                              launch.scalars)]
-        size = tuple(g * b for g, b in zip(launch.grid, launch.block))
-        kernel(self.queue, size, launch.block, *handles, *scalars)
-        self.queue.finish()
+        if key not in self._built:
+            self.prepare({launch.kernel.name: kernel_source(launch.kernel, target.tvm())})
+            self._built.add(key)
+        params = [{"name": p.name, "dtype": p.dtype, "buffer": p.buffer} for p in launch.kernel.params]
+        super().launch(launch.kernel.name, {"params": params}, handles, list(launch.scalars), launch.grid,
+                       launch.block)
+        self.sync()
 
 
 class WebGPU:
@@ -215,7 +186,7 @@ class WebGPU:
 
     def upload(self, array: np.ndarray):
         usage = self.wgpu.BufferUsage
-        return self.device.create_buffer_with_data(data=_padded(array).tobytes(),
+        return self.device.create_buffer_with_data(data=padded(array).tobytes(),
                                                    usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST)
 
     def download(self, handle, like: np.ndarray) -> np.ndarray:
@@ -274,14 +245,6 @@ def _key(kernel):
     import tvm_ffi
 
     return kernel.name, tvm_ffi.structural_hash(kernel.func)
-
-
-def _padded(array: np.ndarray) -> np.ndarray:
-    """The array's bytes, at least 4 and a multiple of 4 (WebGPU buffer sizes; an empty OpenCL buffer is an
-    error)."""
-    raw = np.asarray(array, order="C").reshape(-1).view(np.uint8)
-    pad = max(4, -(-raw.size // 4) * 4) - raw.size
-    return np.concatenate([raw, np.zeros(pad, np.uint8)]) if pad else raw
 
 
 def _reason(error: Exception) -> str:

@@ -6,6 +6,7 @@ from contextlib import nullcontext
 
 import click
 
+from k3compile.backends import KINDS, open_backend
 from k3compile.cli.common import (
     SEED,
     THREADS_HELP,
@@ -26,12 +27,15 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=IntRange(min=0))
-@click.option("--backend", type=click.Choice(["eager", "onnx", "onnx-reference", "tvm"]), default="eager",
-              show_default=True,
-              help="eager: the PyTorch model; onnx: onnxruntime on an export folder; onnx-reference: onnx.reference "
-                   "on it (slow, small inputs); tvm: an artifact of `k3compile compile` (or an export folder, "
-                   "compiled on each run). With a preset, config or checkpoint as SOURCE, onnx and tvm build it "
-                   "into the cache (~/.cache/k3compile, or $K3COMPILE_CACHE) once and reuse it.")
+@click.option("--backend", type=click.Choice(KINDS), default="auto", show_default=True,
+              help="auto: an artifact on its own target (llvm in TVM's VM, opencl on its OpenCL device), an export "
+                   "folder in onnxruntime, a preset, config or checkpoint eager; eager: the PyTorch model; onnx: "
+                   "onnxruntime; onnx-reference: onnx.reference (slow, small inputs); tvm: a compiled artifact (or an "
+                   "export folder, compiled on each run). With a preset, config or checkpoint as SOURCE, onnx and "
+                   "tvm build it into the cache (~/.cache/k3compile, or $K3COMPILE_CACHE) once and reuse it.")
+@click.option("--device", type=IntRange(min=0), default=None,
+              help="A GPU artifact's device: its index among the driver's devices (default: "
+                   "$K3COMPILE_OPENCL_DEVICE, else 0).")
 @click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0.0),
               help="0 is greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloat(min=0.0, max=1.0, min_open=True))
@@ -44,8 +48,8 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
-def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p, seed, weight_seed, experts, threads,
-            as_json, quiet):
+def command(ctx, source, prompt_ids, max_new_tokens, backend, device, temperature, top_p, seed, weight_seed, experts,
+            threads, as_json, quiet):
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights)."""
     from k3compile.generate import generate as run
     from k3compile.source import ARTIFACT, EXPORT, kind_of
@@ -63,33 +67,15 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
 
         use_threads(threads or default_threads(load_config(source)))  # before TVM's pool or a compile starts
         with status(f"loading {source}", quiet) as step:
-            if backend in ("onnx", "onnx-reference", "tvm") and not built:
-                from k3compile.cache import cached_artifact, cached_export
-
-                folder = (cached_artifact(source, seed=weight_seed, weights=experts, progress=step)
-                          if backend == "tvm" else
-                          cached_export(source, seed=weight_seed, weights=experts, progress=step))
-            else:
-                folder = source
-            if backend == "eager":
-                from k3compile.backends.eager import EagerBackend
-                from k3compile.source import load_model
-
-                engine = EagerBackend(load_model(source, seed=weight_seed, experts=experts))
-            elif backend == "tvm":
-                from k3compile.backends.tvm import TvmBackend
-
-                engine = TvmBackend(folder)
-            else:
-                from k3compile.backends.onnx import OnnxBackend
-
-                engine = OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
+            engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
+                                  progress=step)
         bar, cb = progress("generating", quiet)
         with bar or nullcontext():
             result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
                          seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
     doc = {
-        "source": source, "backend": backend, "prompts": prompts, "tokens": result.tokens,
+        "source": source, "backend": engine.name, "prompts": prompts, "tokens": result.tokens,
+        **({"device": engine.describe()} if hasattr(engine, "describe") else {}),
         "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps else None,
     }
@@ -100,4 +86,5 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, temperature, top_p
         click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
     if not quiet:
         rate = f", decode {doc['decode_tokens_per_s']} tok/s" if result.decode_steps else ""
-        click.echo(f"[{backend}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)
+        where = f" on {doc['device']}" if "device" in doc else ""
+        click.echo(f"[{engine.name}{where}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)

@@ -1,0 +1,98 @@
+"""A GPU artifact run on its device from its launch plan: the step protocol over k3compile/executors/
+(docs/architecture.md, "GPU artifacts and their executors").
+
+`ExecutorBackend(OUT)` checks the manifest (every file's sha256: the plan, the kernel sources and the weights
+included), opens the target's driver (its device by `device` index, or the driver's environment variable), builds
+every kernel once and uploads the weights once, already in the target's layout: nothing is compiled or lowered at
+load. A step uploads the token ids and the mask; the decode state (`present`, fed back as `past`) stays in device
+memory between steps, and only the logits of each row's last position come back (`host=True`: all of them and the
+state too, for `verify`). No TVM and no model code is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3compile.interface import ExportError, Past, check_step, init_past, unflatten
+
+DRIVERS = ("opencl",)  # the targets an executor runs here
+
+
+def is_gpu_artifact(folder: str | Path) -> bool:
+    """An artifact whose manifest names a target other than llvm (read loosely: the backend checks it whole)."""
+    try:
+        return json.loads((Path(folder) / "manifest.json").read_text()).get("target") not in (None, "llvm")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def open_driver(target: str, device: int | None = None):
+    """The driver of a GPU target's executor, on device `device`; one DeviceError line where it cannot open."""
+    if target == "opencl":
+        from k3compile.executors.opencl import OpenCLDriver
+
+        return OpenCLDriver(device)
+    raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
+
+
+class ExecutorBackend:
+    def __init__(self, folder: str | Path, device: int | None = None, host: bool = False) -> None:
+        from safetensors.numpy import load_file
+
+        from k3compile.compile import CONSTANTS, LAUNCH_PLAN, WEIGHTS, read_manifest
+        from k3compile.config import read_config
+        from k3compile.executors.plan import Program
+
+        folder = Path(folder)
+        t0 = time.perf_counter()
+        self.manifest = read_manifest(folder)
+        target = self.manifest["target"]
+        if LAUNCH_PLAN not in self.manifest["files"]:
+            raise ExportError(f"{folder}: compiled for {target} without a launch plan (an older k3compile); compile "
+                              "it again")
+        self.config = read_config(folder / "config.json")
+        self.name, self.host = target, host
+        self.driver = open_driver(target, device)
+        try:
+            plan = json.loads((folder / LAUNCH_PLAN).read_text())
+            constants = load_file(str(folder / CONSTANTS)) if (folder / CONSTANTS).is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{folder}: its launch plan cannot be read ({e})") from None
+        self.program = Program(plan, constants, self.driver)
+        tensors = load_file(str(folder / WEIGHTS))
+        names = self.manifest["params"]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ExportError(f"{folder / WEIGHTS}: missing the weight {missing[0]!r} the plan takes")
+        self._weights = [self.program.upload(tensors.pop(n)) for n in names]  # uploaded, then dropped here
+        del tensors
+        self.driver.sync()
+        self.load_s = time.perf_counter() - t0
+
+    def describe(self) -> str:
+        return self.driver.describe()
+
+    def init_past(self, batch: int) -> Past:
+        past = init_past(self.config, batch)
+        return past if self.host else [tuple(self.program.upload(t.numpy()) for t in pair) for pair in past]
+
+    @torch.no_grad()
+    def step(self, input_ids, attention_mask, past: Past):
+        check_step(self.config, input_ids, attention_mask, past)
+        ids = np.asarray(input_ids, dtype=np.int64)
+        mask = np.asarray(attention_mask, dtype=np.int64)
+        state = [t if not isinstance(t, torch.Tensor) else self.program.upload(t.numpy()) for pair in past
+                 for t in pair]
+        outs = self.program.run([self.program.upload(ids), self.program.upload(mask), *state, *self._weights])
+        logits, present = outs[0], outs[1:]
+        b, t, v = logits.shape
+        if self.host:
+            host = [torch.from_numpy(self.program.download(x).reshape(x.shape)) for x in outs]
+            return host[0], unflatten(host[1:])
+        last = np.stack([self.program.download(logits, (r * t + t - 1) * v, v) for r in range(b)])
+        return torch.from_numpy(last).reshape(b, 1, v), unflatten(present)

@@ -1,0 +1,93 @@
+"""GPU artifacts run on their device from their launch plan (k3compile/executors/, backends/executor.py;
+docs/architecture.md, "GPU artifacts and their executors"): k3-tiny compiled for OpenCL, run on PoCL with the decode
+state kept in device memory, equals eager in every output and gives eager's greedy tokens; loading it imports no TVM;
+an edited plan, a missing device or driver is one line.
+
+One OpenCL artifact is built per session (~1 min)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hardening import one_line_error, run
+
+from k3compile.backends.eager import EagerBackend
+from k3compile.generate import generate
+from k3compile.modes import Forms
+from k3compile.verify import compare
+
+PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three
+# fp32 on both sides; the device kernels sum blocks in the CPU kernels' order but the standard ops are dlight's
+# (another reduction order): observed ~1e-6 on values of order 1
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def opencl_artifact(tiny_export, tmp_path_factory):
+    from k3compile.executors.opencl import DeviceError, devices
+
+    try:
+        devices()
+    except DeviceError as e:
+        pytest.skip(str(e))
+    from k3compile.compile import compile_export
+
+    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-opencl"
+    compile_export(tiny_export[1], out, target="opencl")
+    return out
+
+
+def test_an_opencl_artifact_runs_on_its_device_and_equals_eager(tiny_export, opencl_artifact):
+    from k3compile.backends.executor import ExecutorBackend
+
+    model = tiny_export[0]
+    host = ExecutorBackend(opencl_artifact, host=True)
+    rows = compare(EagerBackend(model, Forms.exported()), host, decode_steps=3, prompts=PROMPTS)
+    bad = [r for r in rows if not r["max_abs"] <= ATOL]  # every output: logits and each layer's state
+    assert not bad, bad[:3]
+    want = generate(EagerBackend(model), PROMPTS, 32, eos_token_id=model.config.eos_token_id).tokens
+    device = ExecutorBackend(opencl_artifact)  # the state stays on the device, the last logits come back
+    assert generate(device, PROMPTS, 32, eos_token_id=model.config.eos_token_id).tokens == want
+
+
+def test_loading_a_gpu_artifact_imports_no_tvm(opencl_artifact):
+    """Nothing is compiled or lowered at load: the plan is data, the kernels are source. The whole run, in a fresh
+    process, never imports TVM."""
+    code = ("import json, sys; from k3compile.backends.executor import ExecutorBackend; "
+            "from k3compile.generate import generate; "
+            f"b = ExecutorBackend({str(opencl_artifact)!r}); t = generate(b, [[5, 17, 42, 9]], 4).tokens; "
+            "print(json.dumps({'tvm': 'tvm' in sys.modules, 'tokens': t, 'device': b.describe()}))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(res.stdout)
+    assert doc["tvm"] is False and len(doc["tokens"][0]) == 4 and "OpenCL 0" in doc["device"]
+
+
+def test_generate_runs_a_gpu_artifact_and_names_its_device(opencl_artifact, tiny_export):
+    r = run("generate", opencl_artifact, *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))],
+            "--max-new-tokens", "8", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output.splitlines()[-1])
+    model = tiny_export[0]
+    assert doc["tokens"] == generate(EagerBackend(model), PROMPTS, 8, eos_token_id=model.config.eos_token_id).tokens
+    assert doc["backend"] == "opencl" and doc["device"].startswith("OpenCL 0")
+
+
+def test_an_edited_plan_a_missing_device_or_driver_is_one_line(opencl_artifact, tmp_path, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "art"
+    shutil.copytree(opencl_artifact, copy)
+    plan = json.loads((copy / "launch.json").read_text())
+    plan["main"]["bindings"] = plan["main"]["bindings"][1:]
+    (copy / "launch.json").write_text(json.dumps(plan))
+    one_line_error(run("generate", copy), "launch.json: its sha256 differs")
+    one_line_error(run("generate", opencl_artifact, "--device", "7"), "OpenCL device 7 does not exist")
+    monkeypatch.setenv("OCL_ICD_VENDORS", str(tmp_path / "none"))  # the ICD loader finds no platform
+    res = subprocess.run([sys.executable, "-m", "k3compile.cli", "generate", str(opencl_artifact)],
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                           "OCL_ICD_VENDORS": str(tmp_path / "none")})
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "OpenCL" in res.stderr, res.stderr[-2000:]
