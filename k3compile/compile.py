@@ -84,6 +84,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
             (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
             step("writing the launch plan")  # what the executors run (backends/executor.py), without TVM
             plan, constants = launch_plan(mod, tgt)
+            plan["main"]["weights"] = names  # the names the plan takes, as the library's signature does on llvm
             write_json(w.path / LAUNCH_PLAN, plan)
             save_file(constants, str(w.path / CONSTANTS))
         tuning = None

@@ -74,7 +74,8 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
                   threads: int | None = None) -> list[dict]:
     """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
     the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key.
-    A compiled artifact (it holds its export) is checked the same way and compared with TVM too."""
+    A compiled artifact (it holds its export) is checked the same way and compared too: in TVM's VM (llvm), or on its
+    device from its launch plan (a GPU target an executor runs here: backends/executor.py)."""
     from k3compile.compile import read_manifest
     from k3compile.source import ARTIFACT, kind_of
 
@@ -88,15 +89,18 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
         rows += [dict(r, backend="onnx.reference")
                  for r in verify.compare(eager, OnnxBackend(folder, reference=True), decode_steps=decode_steps)]
     if compiled:
+        from k3compile.backends.executor import DRIVERS, ExecutorBackend, is_gpu_artifact
         from k3compile.backends.tvm import TvmBackend
-        from k3compile.targets import resolve
 
-        target = read_manifest(folder)["target"]
-        if resolve(target).gpu:  # no device runtime in this TVM: the device runner (verify --device) runs it
-            return rows
-        tvm_backend = TvmBackend(folder)
-        rows += [dict(r, backend=tvm_backend.name)
-                 for r in verify.compare(eager, tvm_backend, decode_steps=decode_steps)]
+        if is_gpu_artifact(folder):  # on its device, from its launch plan, where an executor runs its target
+            target = read_manifest(folder)["target"]
+            if target not in DRIVERS:
+                return rows
+            compiled_backend = ExecutorBackend(folder, host=True)
+        else:
+            compiled_backend = TvmBackend(folder)
+        rows += [dict(r, backend=compiled_backend.name)
+                 for r in verify.compare(eager, compiled_backend, decode_steps=decode_steps)]
     return rows
 
 

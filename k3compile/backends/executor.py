@@ -63,9 +63,16 @@ class ExecutorBackend:
             constants = load_file(str(folder / CONSTANTS)) if (folder / CONSTANTS).is_file() else {}
         except (OSError, ValueError) as e:
             raise ExportError(f"{folder}: its launch plan cannot be read ({e})") from None
-        self.program = Program(plan, constants, self.driver)
-        tensors = load_file(str(folder / WEIGHTS))
         names = self.manifest["params"]
+        main = plan.get("main") if isinstance(plan, dict) else None
+        if not isinstance(main, dict) or main.get("weights") != names:  # what the plan was built to take
+            raise ExportError(f"{folder}: its manifest's params are not the weights its launch plan was built for "
+                              "(the manifest was edited, or the plan is another build's); compile again")
+        try:
+            self.program = Program(plan, constants, self.driver)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise ExportError(f"{folder / LAUNCH_PLAN}: malformed ({type(e).__name__}: {e}); compile again") from None
+        tensors = load_file(str(folder / WEIGHTS))
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ExportError(f"{folder / WEIGHTS}: missing the weight {missing[0]!r} the plan takes")
@@ -88,7 +95,10 @@ class ExecutorBackend:
         mask = np.asarray(attention_mask, dtype=np.int64)
         state = [t if not isinstance(t, torch.Tensor) else self.program.upload(t.numpy()) for pair in past
                  for t in pair]
-        outs = self.program.run([self.program.upload(ids), self.program.upload(mask), *state, *self._weights])
+        try:
+            outs = self.program.run([self.program.upload(ids), self.program.upload(mask), *state, *self._weights])
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:  # a plan edited and rehashed
+            raise ExportError(f"the launch plan is malformed ({type(e).__name__}: {e}); compile again") from None
         logits, present = outs[0], outs[1:]
         b, t, v = logits.shape
         if self.host:

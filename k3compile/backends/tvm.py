@@ -78,9 +78,9 @@ class TvmBackend:
             raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
         self.name = f"tvm-{self.manifest['target']}"
         if self.manifest["target"] in TARGETS and resolve(self.manifest["target"]).gpu:
-            raise ExportError(f"{folder}: compiled for {self.manifest['target']}, which this TVM cannot run here (no "
-                              f"device runtime); run its kernels with `k3compile verify {folder} --device "
-                              f"{self.manifest['target']}` where that driver exists")
+            raise ExportError(f"{folder}: compiled for {self.manifest['target']}, which TVM's VM does not run (no "
+                              f"device runtime in this TVM); `k3compile generate {folder}` runs it on its device's "
+                              "executor (backends/executor.py)")
         here = resolve(self.manifest["target"]).describe()
         if self.manifest.get("tvm_target") != here:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "

@@ -85,9 +85,24 @@ def test_an_edited_plan_a_missing_device_or_driver_is_one_line(opencl_artifact, 
     plan["main"]["bindings"] = plan["main"]["bindings"][1:]
     (copy / "launch.json").write_text(json.dumps(plan))
     one_line_error(run("generate", copy), "launch.json: its sha256 differs")
+    shutil.copy(opencl_artifact / "launch.json", copy / "launch.json")
+    doc = json.loads((copy / "manifest.json").read_text())
+    doc["params"][0], doc["params"][1] = doc["params"][1], doc["params"][0]  # no file touched, hashes valid
+    (copy / "manifest.json").write_text(json.dumps(doc))
+    one_line_error(run("generate", copy), "not the weights its launch plan was built for")
     one_line_error(run("generate", opencl_artifact, "--device", "7"), "OpenCL device 7 does not exist")
     monkeypatch.setenv("OCL_ICD_VENDORS", str(tmp_path / "none"))  # the ICD loader finds no platform
     res = subprocess.run([sys.executable, "-m", "k3compile.cli", "generate", str(opencl_artifact)],
                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
                                                                            "OCL_ICD_VENDORS": str(tmp_path / "none")})
     assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "OpenCL" in res.stderr, res.stderr[-2000:]
+
+
+def test_verify_runs_a_gpu_artifact_on_its_device(opencl_artifact):
+    """`verify OUT` compares the artifact's own executable with eager: for a GPU target, on its device."""
+    r = run("verify", opencl_artifact, "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["rows"]
+    mine = [row for row in rows if row["backend"] == "opencl"]
+    assert mine and all(row["max_abs"] <= ATOL for row in mine)
+    assert {row["backend"] for row in rows} == {"onnxruntime", "opencl"}
