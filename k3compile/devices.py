@@ -143,7 +143,7 @@ class OpenCL(OpenCLDriver):
 
     def __init__(self) -> None:
         super().__init__(0)
-        self._built: set = set()
+        self._built: dict = {}  # kernels by _key: lowered kernels of one name differ in their signature
 
     def download(self, handle, like: np.ndarray) -> np.ndarray:
         raw = super().download(handle, like.nbytes)
@@ -154,11 +154,9 @@ class OpenCL(OpenCLDriver):
 
         key = _key(launch.kernel)
         if key not in self._built:
-            self.prepare({launch.kernel.name: kernel_source(launch.kernel, target.tvm())})
-            self._built.add(key)
-        params = [{"name": p.name, "dtype": p.dtype, "buffer": p.buffer} for p in launch.kernel.params]
-        super().launch(launch.kernel.name, {"params": params}, handles, list(launch.scalars), launch.grid,
-                       launch.block)
+            self._built[key] = self.build(launch.kernel.name, kernel_source(launch.kernel, target.tvm()))
+        self.enqueue(self._built[key], [p.dtype for p in launch.kernel.params if not p.buffer], handles,
+                     list(launch.scalars), launch.grid, launch.block)
         self.sync()
 
 

@@ -20,16 +20,11 @@ __all__ = ["assert_matches_eager", "open_backend"]
 
 
 def open_backend(folder: str | Path, threads: int | None = None):
-    """The backend that runs `folder`: TVM for a compiled artifact, onnxruntime for an export folder."""
-    from k3compile.source import ARTIFACT, kind_of
+    """The backend that runs `folder` on its own target: TVM's VM for a CPU artifact, its device's executor for a
+    GPU artifact (every output brought back, to compare), onnxruntime for an export folder."""
+    from k3compile.backends.choose import open_backend as choose
 
-    if kind_of(folder) == ARTIFACT:
-        from k3compile.backends.tvm import TvmBackend
-
-        return TvmBackend(folder)
-    from k3compile.backends.onnx import OnnxBackend
-
-    return OnnxBackend(folder, threads=threads)
+    return choose(str(folder), "auto", threads=threads, host=True)
 
 
 def _table(rows: list[dict]) -> str:

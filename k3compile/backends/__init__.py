@@ -2,53 +2,7 @@
 
 `base.Backend` is the protocol `generate` and `verify.compare` use; `eager` wraps the PyTorch model, `onnx` runs an
 export folder in onnxruntime or onnx.reference, `tvm` a CPU artifact in TVM's VM, `executor` a GPU artifact on its
-device from its launch plan. Import the module you need: `backends.onnx` never imports the model. `open_backend`
-is the one place that picks a backend for a SOURCE (a preset, config, checkpoint, export or artifact).
+device from its launch plan. Import the module you need: `backends.onnx` never imports the model.
+`choose.open_backend` is the one place that picks a backend for a SOURCE (a preset, config, checkpoint, export or
+artifact).
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable
-
-KINDS = ("auto", "eager", "onnx", "onnx-reference", "tvm")
-
-
-def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str = "auto",
-                 threads: int | None = None, device: int | None = None,
-                 progress: Callable[[str], None] | None = None):
-    """The engine that runs SOURCE as `backend` asks. "auto": an artifact on its own target (llvm in TVM's VM, a GPU
-    target on its device's executor), an export in onnxruntime, anything else eager. "onnx" / "tvm" with a preset,
-    config or checkpoint build it into the cache first (cache.py). `device` picks a GPU executor's device."""
-    from k3compile.interface import ExportError
-    from k3compile.source import ARTIFACT, EXPORT, kind_of
-
-    kind = kind_of(source)
-    if backend == "auto":
-        backend = "artifact" if kind == ARTIFACT else "onnx" if kind == EXPORT else "eager"
-    if device is not None and not (kind == ARTIFACT and backend in ("artifact", "tvm")):
-        raise ExportError("--device picks the device of a GPU artifact's executor; SOURCE is not a GPU artifact")
-    folder = source
-    if backend in ("onnx", "onnx-reference", "tvm") and kind not in (EXPORT, ARTIFACT):
-        from k3compile.cache import cached_artifact, cached_export
-
-        folder = (cached_artifact(source, seed=seed, weights=experts, progress=progress) if backend == "tvm" else
-                  cached_export(source, seed=seed, weights=experts, progress=progress))
-    if backend == "eager":
-        from k3compile.backends.eager import EagerBackend
-        from k3compile.source import load_model
-
-        return EagerBackend(load_model(source, seed=seed, experts=experts))
-    if backend in ("onnx", "onnx-reference"):
-        from k3compile.backends.onnx import OnnxBackend
-
-        return OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
-    if kind == ARTIFACT:
-        from k3compile.backends.executor import is_gpu_artifact
-
-        if is_gpu_artifact(folder):
-            from k3compile.backends.executor import ExecutorBackend
-
-            return ExecutorBackend(folder, device)
-    from k3compile.backends.tvm import TvmBackend
-
-    return TvmBackend(folder)

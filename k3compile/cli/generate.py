@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import click
 
-from k3compile.backends import KINDS, open_backend
+from k3compile.backends.choose import KINDS, open_backend
 from k3compile.cli.common import (
     SEED,
     THREADS_HELP,

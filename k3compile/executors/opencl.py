@@ -65,10 +65,14 @@ class OpenCLDriver:
     def prepare(self, kernels: dict[str, str]) -> None:
         """Build each kernel's OpenCL C once (one program per kernel: TVM names repeat nothing across them)."""
         for name, source in kernels.items():
-            try:
-                self._kernels[name] = getattr(self.cl.Program(self.ctx, source).build(), name)
-            except self.cl.Error as e:
-                raise DeviceError(f"OpenCL refused kernel {name}: {str(e).strip().splitlines()[-1][:200]}") from None
+            self._kernels[name] = self.build(name, source)
+
+    def build(self, name: str, source: str):
+        """The kernel `name` of the OpenCL C `source`, built for this device; raises DeviceError."""
+        try:
+            return getattr(self.cl.Program(self.ctx, source).build(), name)
+        except self.cl.Error as e:
+            raise DeviceError(f"OpenCL refused kernel {name}: {str(e).strip().splitlines()[-1][:200]}") from None
 
     def alloc(self, nbytes: int):
         if nbytes > self.max_alloc:
@@ -96,10 +100,14 @@ class OpenCLDriver:
         return raw[:nbytes].tobytes()
 
     def launch(self, name: str, launch: dict, handles: list, scalars: list[int], grid, block) -> None:
-        kernel = self._kernels[name]
-        types = [np.dtype(p["dtype"]).type for p in launch["params"] if not p["buffer"]]
+        self.enqueue(self._kernels[name], [p["dtype"] for p in launch["params"] if not p["buffer"]], handles,
+                     scalars, grid, block)
+
+    def enqueue(self, kernel, scalar_dtypes: list[str], handles: list, scalars: list[int], grid, block) -> None:
+        """Queue one launch of a built kernel: its buffers, then its scalars (TVM's argument order)."""
         size = tuple(g * b for g, b in zip(grid, block))
-        kernel(self.queue, size, tuple(block), *handles, *(t(v) for t, v in zip(types, scalars)))
+        kernel(self.queue, size, tuple(block), *handles,
+               *(np.dtype(t).type(v) for t, v in zip(scalar_dtypes, scalars)))
 
     def sync(self) -> None:
         self.queue.finish()

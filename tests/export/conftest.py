@@ -32,3 +32,19 @@ def tvm_artifact(tiny_export, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-llvm"
     return compile_export(tiny_export[1], out), out
+
+
+@pytest.fixture(scope="session")
+def opencl_artifact(tiny_export, tmp_path_factory):
+    """tiny_export compiled for opencl (skips where no OpenCL device is): its folder."""
+    from k3compile.executors.opencl import DeviceError, devices
+
+    try:
+        devices()
+    except DeviceError as e:
+        pytest.skip(str(e))
+    from k3compile.compile import compile_export
+
+    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-opencl"
+    compile_export(tiny_export[1], out, target="opencl")
+    return out

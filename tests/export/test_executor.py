@@ -3,7 +3,7 @@ docs/architecture.md, "GPU artifacts and their executors"): k3-tiny compiled for
 state kept in device memory, equals eager in every output and gives eager's greedy tokens; loading it imports no TVM;
 an edited plan, a missing device or driver is one line.
 
-One OpenCL artifact is built per session (~1 min)."""
+The OpenCL artifact is built once per session (conftest.py's opencl_artifact, ~1 min)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 from hardening import one_line_error, run
 
 from k3compile.backends.eager import EagerBackend
@@ -23,21 +22,6 @@ PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three
 # fp32 on both sides; the device kernels sum blocks in the CPU kernels' order but the standard ops are dlight's
 # (another reduction order): observed ~1e-6 on values of order 1
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def opencl_artifact(tiny_export, tmp_path_factory):
-    from k3compile.executors.opencl import DeviceError, devices
-
-    try:
-        devices()
-    except DeviceError as e:
-        pytest.skip(str(e))
-    from k3compile.compile import compile_export
-
-    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-opencl"
-    compile_export(tiny_export[1], out, target="opencl")
-    return out
 
 
 def test_an_opencl_artifact_runs_on_its_device_and_equals_eager(tiny_export, opencl_artifact):

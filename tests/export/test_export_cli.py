@@ -48,8 +48,12 @@ def test_verify_and_generate_on_an_export(tiny_export):
     r_eager = run("generate", "k3-tiny", "--prompt-ids", "4,5,6", "--prompt-ids", "9", "--max-new-tokens", "8",
                   "--json")
     assert json.loads(r.output)["tokens"] == json.loads(r_eager.output)["tokens"]
+    # the default backend (auto) runs an export folder in onnxruntime
+    r = run("generate", str(folder), "--prompt-ids", "4,5,6", "--prompt-ids", "9", "--max-new-tokens", "8", "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["backend"] == "onnx", r.output
+    assert json.loads(r.output)["tokens"] == json.loads(r_eager.output)["tokens"]
     # an export folder is not a checkpoint: the eager backend says so instead of inventing random weights
-    one_line_error(run("generate", str(folder)), "is an export folder")
+    one_line_error(run("generate", str(folder), "--backend", "eager"), "is an export folder")
 
 
 def test_export_json_records(tiny_export):

@@ -28,13 +28,13 @@ from k3compile.runtime.worker import Options
 
 PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three (ids below both vocabularies)
 NEW = 32
-MESHES = ["ep=2", "ep=3", "pp=2", "ep=2,pp=2"]
 A2A = "all-to-all"
-# every mesh on k3-tiny; the checkpoint on the two that cover uneven slices and stages (each artifact costs its
-# traces, ~1 min each here: the suite's time budget)
-CASES = [("k3-tiny", mesh, "all-reduce") for mesh in MESHES] + [("kimi-linear", mesh, "all-reduce") for mesh in
-                                                                 ("ep=3", "ep=2,pp=2")] + [("k3-tiny", "ep=2", A2A),
-                                                                                          ("k3-tiny", "ep=3", A2A)]
+# Six artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2)
+# and uneven (ep=3: 8 experts as 3 + 3 + 2), stages with slices (ep=2,pp=2: the AttnRes carry between stages), the
+# checkpoint of the family over stages and slices, all-to-all dispatch on uneven slices, and data parallel replicas
+# (test_data_parallel_replicas_decode_their_rows).
+CASES = [("k3-tiny", "ep=2", "all-reduce"), ("k3-tiny", "ep=3", "all-reduce"), ("k3-tiny", "ep=2,pp=2", "all-reduce"),
+         ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A)]
 # Decode states after 32 steps, distributed vs one process: the expert-parallel all-reduce adds the slices' partial
 # sums, where one process sums all experts in one kernel: fp32 rounding of another order (observed <= 1e-5 on
 # values of order 1). A wrong expert slice or a lost carry tensor moves them by O(1).
@@ -314,7 +314,7 @@ def test_a_lost_worker_ends_the_run_naming_its_rank(sharded, how):
     exit 1, no worker left."""
     import psutil
 
-    folder = sharded[("k3-tiny", "pp=2", "all-reduce")]
+    folder = sharded[("k3-tiny", "ep=2", "all-reduce")]
     proc = subprocess.Popen([sys.executable, "-m", "k3compile.cli", "run", str(folder), "--max-new-tokens", "4000",
                              "--timeout", "5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     victim = None
@@ -408,9 +408,10 @@ def test_the_manifest_names_each_ranks_share(sharded):
 
     assert {t.shape[0] for t in packed(0)} == {3} and {t.shape[0] for t in packed(2)} == {2}  # its experts only
     assert sum(t.nbytes for t in packed(2)) * 3 == sum(t.nbytes for t in packed(0)) * 2
-    pp = read_sharded(sharded[("k3-tiny", "pp=2", "all-reduce")])[0]
-    assert [r["layers"] for r in pp["ranks"]] == [[0, 4], [4, 7]]  # the cut on an AttnRes block edge (size 2)
-    assert pp["ranks"][1]["inputs"][:3] == ["carry.hidden", "carry.bank.0", "carry.bank.1"]
+    pp = read_sharded(sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")])[0]
+    # ranks 0, 1: stage 0; ranks 2, 3: stage 1. The cut on an AttnRes block edge (size 2)
+    assert [r["layers"] for r in pp["ranks"]] == [[0, 4], [0, 4], [4, 7], [4, 7]]
+    assert pp["ranks"][2]["inputs"][:3] == ["carry.hidden", "carry.bank.0", "carry.bank.1"]
 
 
 def test_export_refuses_a_mesh_the_model_cannot_be_split_over(tmp_path):

@@ -125,7 +125,8 @@ def test_importing_leaves_the_model_out(module):
 
 
 def test_every_package_folder_ships():
-    """pyproject's package list (with the passes/targets mapping) names every folder holding Python code."""
+    """pyproject's package list (with the passes/targets mapping) names every folder holding Python code, and each
+    such folder is a regular package (an __init__.py: a namespace package is left out of a wheel)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     declared = set(tool["packages"])
@@ -133,9 +134,10 @@ def test_every_package_folder_ships():
     found = set()
     for pkg_dir, src in [("k3compile", "k3compile"), *[(k, v) for k, v in mapping.items() if k != "k3compile"]]:
         base = ROOT / src
-        for init in base.rglob("__init__.py"):
-            rel = init.parent.relative_to(base).parts
+        for module in base.rglob("*.py"):
+            rel = module.parent.relative_to(base).parts
             found.add(".".join([pkg_dir, *rel]))
+            assert (module.parent / "__init__.py").is_file(), f"{module.parent} holds Python code but no __init__.py"
     assert declared == found
 
 

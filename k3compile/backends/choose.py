@@ -1,0 +1,52 @@
+"""Which backend runs a SOURCE (docs/architecture.md, "Backends"): the one place `generate` and `k3compile.testing`
+pick one. Apart from backends/__init__.py so that importing a backend never imports the build cache (cache.py ->
+pipeline.py -> backends.*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+KINDS = ("auto", "eager", "onnx", "onnx-reference", "tvm")
+
+
+def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str = "auto",
+                 threads: int | None = None, device: int | None = None, host: bool = False,
+                 progress: Callable[[str], None] | None = None):
+    """The engine that runs SOURCE as `backend` asks. "auto": an artifact on its own target (llvm in TVM's VM, a GPU
+    target on its device's executor), an export in onnxruntime, anything else eager. "onnx" / "tvm" with a preset,
+    config or checkpoint build it into the cache first (cache.py). `device` picks a GPU executor's device; `host`
+    brings all of a GPU artifact's outputs back each step (the state too: what `verify.compare` reads)."""
+    from k3compile.interface import ExportError
+    from k3compile.source import ARTIFACT, EXPORT, kind_of
+
+    kind = kind_of(source)
+    if backend == "auto":
+        backend = "artifact" if kind == ARTIFACT else "onnx" if kind == EXPORT else "eager"
+    if device is not None and not (kind == ARTIFACT and backend in ("artifact", "tvm")):
+        raise ExportError("--device picks the device of a GPU artifact's executor; SOURCE is not a GPU artifact")
+    folder = source
+    if backend in ("onnx", "onnx-reference", "tvm") and kind not in (EXPORT, ARTIFACT):
+        from k3compile.cache import cached_artifact, cached_export
+
+        folder = (cached_artifact(source, seed=seed, weights=experts, progress=progress) if backend == "tvm" else
+                  cached_export(source, seed=seed, weights=experts, progress=progress))
+    if backend == "eager":
+        from k3compile.backends.eager import EagerBackend
+        from k3compile.source import load_model
+
+        return EagerBackend(load_model(source, seed=seed, experts=experts))
+    if backend in ("onnx", "onnx-reference"):
+        from k3compile.backends.onnx import OnnxBackend
+
+        return OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
+    if kind == ARTIFACT:
+        from k3compile.backends.executor import is_gpu_artifact
+
+        if is_gpu_artifact(folder):
+            from k3compile.backends.executor import ExecutorBackend
+
+            return ExecutorBackend(folder, device, host=host)
+    from k3compile.backends.tvm import TvmBackend
+
+    return TvmBackend(folder)
