@@ -1,5 +1,5 @@
-"""`k3compile bench`: eager torch, onnxruntime and TVM side by side on one machine, in one run (docs/toolchain.md,
-"Benchmarks").
+"""`k3compile bench`: eager torch, onnxruntime, TVM and the OpenCL executor side by side on one machine, in one run
+(docs/toolchain.md, "Benchmarks").
 
 Rules kept by every measurement here: the backends are built first (export and artifact from the build cache),
 every backend then runs in the same process with the same thread count (torch, onnxruntime's intra-op pool and
@@ -18,6 +18,9 @@ Sections:
   neither reads from a warm cache only;
 - kda: the TVM KDA kernels (chunked, and the token-by-token recurrence) as T doubles (time per token should
   stay flat: linear in T);
+- opencl_profile (with the opencl backend): decode at batch 1 on the OpenCL executor with a profiling queue, the
+  kernels' own device time (OpenCL profiling events) as a share of each step's wall time: what the runtime (plan
+  evaluation, launches, the logits' download) costs beside the device;
 - roofline: bytes of weights a decode token reads (every dense weight, one embedding row, top-k / E of the packed
   experts) and the memory bandwidth measured here (a large array summed by torch) give the decode ceiling; TVM's
   decode is reported as a fraction of it.
@@ -33,7 +36,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-BACKENDS = ("eager", "onnx", "tvm")
+# opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
+# artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
+# executor replaced, for the ratio
+BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels")
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
 MESH_PROMPT = 8  # run_mesh_bench's prompt length
@@ -156,6 +162,14 @@ def _open(kind: str, folder: str, threads: int):
         from k3compile.backends.onnx import OnnxBackend
 
         return OnnxBackend(folder, threads=threads, spinning=False)
+    if kind == "opencl":
+        from k3compile.backends.executor import ExecutorBackend
+
+        return ExecutorBackend(folder)
+    if kind == "opencl-kernels":
+        from k3compile.backends.device import DeviceBackend
+
+        return DeviceBackend(folder, "opencl")
     from k3compile.backends.tvm import TvmBackend
 
     return TvmBackend(folder)
@@ -193,6 +207,34 @@ def _prefill_once(engine, length: int, vocab: int) -> float:
     t = time.perf_counter()
     engine.step(ids, mask, past)
     return length / (time.perf_counter() - t)
+
+
+def opencl_profile(folder: str, steps: int, vocab: int, repeats: int) -> dict:
+    """Decode at batch 1 on a profiling OpenCL queue: per step, wall time and the kernels' device time (medians of
+    `repeats` runs of `steps` steps). The profiling queue is a separate engine, so the tokens/s figures above are
+    measured without it."""
+    import torch
+
+    from k3compile.backends.executor import ExecutorBackend
+
+    engine = ExecutorBackend(folder, profile=True)
+    gen = torch.Generator().manual_seed(1)
+    walls, kernels, launches = [], [], 0
+    _decode_once(engine, 1, WARMUP_STEPS, vocab)
+    for _ in range(repeats):
+        ids = torch.randint(3, vocab, (1, PROMPT), generator=gen)
+        _, past = engine.step(ids, torch.ones(1, PROMPT, dtype=torch.long), engine.init_past(1))
+        engine.driver.kernel_time()  # the prompt's launches are not the figure
+        t = time.perf_counter()
+        for s in range(steps):
+            mask = torch.ones(1, PROMPT + s + 1, dtype=torch.long)
+            _, past = engine.step(torch.randint(3, vocab, (1, 1), generator=gen), mask, past)
+        walls.append((time.perf_counter() - t) / steps)
+        seconds, launches = engine.driver.kernel_time()
+        kernels.append(seconds / steps)
+    wall, kernel = _median(walls), _median(kernels)
+    return {"device": engine.describe(), "step_ms": wall * 1e3, "kernel_ms": kernel * 1e3,
+            "kernel_share": kernel / wall, "launches_per_step": launches // steps}
 
 
 def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
@@ -315,8 +357,8 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     import tvm
 
     from k3compile.cache import cached_artifact, cached_export
-    from k3compile.compile import WEIGHTS, read_manifest
     from k3compile.config import read_config
+    from k3compile.manifest import WEIGHTS, read_manifest
     from k3compile.presets import load_config
     from k3compile.threads import available_cores, use_threads
 
@@ -325,6 +367,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
+               else str(cached_artifact(source, target="opencl", progress=step)) if name.startswith("opencl")
                else str(cached_export(source, progress=step)) for name in backends}
     config = read_config(artifact / "config.json")
     manifest = read_manifest(artifact)
@@ -342,6 +385,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": available_cores()},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
         "load": load, "decode": {}, "prefill": {},
+        "devices": {name: e.describe() for name, e in engines.items() if name.startswith("opencl")},
     }
     for batch in decode_batches:
         step(f"decode, batch {batch}")
@@ -356,6 +400,9 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
         rows = _interleaved(engines, repeats, lambda e, n=length: _prefill_once(e, n, vocab))
         result["prefill"][str(length)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
     del engines
+    if "opencl" in folders:
+        step("the OpenCL executor's decode, profiled")
+        result["opencl_profile"] = opencl_profile(folders["opencl"], decode_steps, vocab, repeats)
 
     step("the MXFP4 expert kernel against torch fp32")
     result["moe_kernel"] = moe_kernel(config, target, repeats)

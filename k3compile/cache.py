@@ -143,7 +143,8 @@ def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: s
                     activations: str = "none", progress: Callable[[str], None] | None = None) -> Path:
     """A compiled artifact of SOURCE for `target` in the cache, exported and compiled on first use."""
     from k3compile import source as sources
-    from k3compile.compile import compile_export, read_manifest
+    from k3compile.compile import compile_export
+    from k3compile.manifest import read_manifest
     from k3compile.targets import resolve
 
     record = sources.record(source, seed, weights)
@@ -162,7 +163,8 @@ def cached_sharded(source: str, mesh: str, target: str = "llvm", seed: int = 0, 
                    progress: Callable[[str], None] | None = None, dispatch: str = "all_reduce") -> Path:
     """A sharded artifact of SOURCE over `mesh` (`export --mesh`'s OUT) in the cache, built on first use."""
     from k3compile import source as sources
-    from k3compile.partition import export_sharded, read_sharded
+    from k3compile.manifest import read_sharded
+    from k3compile.partition import export_sharded
     from k3compile.sharding import Mesh
     from k3compile.targets import resolve
 

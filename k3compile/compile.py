@@ -25,18 +25,18 @@ from k3compile.interface import (
     ExportError,
     GraphInterface,
     open_export,
-    read_json,
     sha256_file,
     write_json,
 )
-
-LIBRARY = "model.so"
-DEVICE_SOURCE = "device"  # + the target's suffix: device.cl, device.wgsl, device.metal, device.cu
-WEIGHTS = "weights.safetensors"
-MANIFEST = "manifest.json"
-KIND = "tvm-executable"
-LAUNCH_PLAN = "launch.json"  # GPU targets: main's calls and kernels as data (targets/launch_plan.py)
-CONSTANTS = "constants.safetensors"  # GPU targets: main's constant tensors the plan names
+from k3compile.manifest import (  # the artifact format
+    CONSTANTS,
+    DEVICE_SOURCE,
+    KIND,
+    LAUNCH_PLAN,
+    LIBRARY,
+    MANIFEST,
+    WEIGHTS,
+)
 
 
 def check_target(target: str) -> None:
@@ -294,29 +294,3 @@ def _unique(names: list[str]) -> list[str]:
         seen[n] = seen.get(n, 0) + 1
         out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
     return out
-
-
-def read_manifest(folder: str | Path) -> dict:
-    """The artifact's manifest, checked: its fields, and every listed file present with its recorded sha256."""
-    import re
-
-    folder = Path(folder)
-    doc = read_json(folder / MANIFEST, f"{folder}: not a compiled artifact (no {MANIFEST}; run `k3compile compile`)")
-    files = doc.get("files") if isinstance(doc, dict) else None
-    if not (isinstance(doc, dict) and doc.get("kind") == KIND and isinstance(doc.get("k3compile"), str)
-            and isinstance(doc.get("target"), str) and isinstance(doc.get("tvm_target"), str)
-            and isinstance(files, dict)
-            and isinstance(doc.get("params"), list) and all(isinstance(p, str) for p in doc["params"])
-            and all(isinstance(k, str) and Path(k).name == k and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
-                    for k, v in files.items())
-            and {LIBRARY, WEIGHTS, CONFIG_FILE} <= set(files)
-            and ("tuning" not in doc or isinstance(doc["tuning"], dict)
-                 and isinstance(doc["tuning"].get("library"), str) and doc["tuning"]["library"] in files)):
-        raise ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest (damaged or edited; compile again)")
-    for name, digest in files.items():
-        path = folder / name
-        if not path.is_file():
-            raise ExportError(f"{path}: missing (listed in {MANIFEST})")
-        if sha256_file(path) != digest:
-            raise ExportError(f"{path}: its sha256 differs from {MANIFEST}'s (changed or corrupt; compile again)")
-    return doc

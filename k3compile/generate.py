@@ -87,6 +87,51 @@ def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Gener
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def decode_loop(step: Callable[[Tensor, Tensor, int], Tensor], prompts: list[list[int]], max_new_tokens: int,
+                pad: int, eos_token_id: int | None = None,
+                on_step: Callable[[int], None] | None = None) -> Generation:
+    """The one decode loop (generate, and every rank of `k3compile run`): left-padded prompts, then one token per
+    step until `max_new_tokens` or every row's EOS. `step(input_ids [B, T], attention_mask [B, P+T], index)` runs
+    the model on the whole batch and returns the next token of each row [B] (index 0 is the prefill); the loop keeps
+    the rows that finished at `pad`, the tokens, the mask and the timings. `on_step(index)` follows each step."""
+    ids, mask = left_pad(prompts, pad)
+    b = len(prompts)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    t0 = time.perf_counter()
+    prefill_s = 0.0
+    steps = 0
+    for index in range(max_new_tokens):
+        nxt = step(ids, mask, index)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        if index == 0:
+            prefill_s = time.perf_counter() - t0
+        else:
+            steps += 1
+        if on_step:
+            on_step(index)
+        if bool(done.all()):
+            break
+        ids = nxt.unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+    total = time.perf_counter() - t0
+    return Generation(out, prefill_s, total - prefill_s, steps)
+
+
+def check_finite(last: Tensor, index: int) -> None:
+    """Logits [B, V] of a step: non-finite ones are one GenerationError naming the step and the rows."""
+    if not bool(torch.isfinite(last).all()):
+        where = "prefill" if index == 0 else f"decode step {index}"
+        raise GenerationError(f"{where}: the model produced non-finite logits (NaN or Inf) for prompt(s) "
+                              f"{sorted(set(torch.nonzero(~torch.isfinite(last))[:, 0].tolist()))}; "
+                              "check the weights")
+
+
 def generate(
     backend,
     prompts: list[list[int]],
@@ -100,43 +145,20 @@ def generate(
 ) -> Generation:
     cfg = backend.config
     check_request(cfg, prompts, max_new_tokens, temperature, top_p)
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    ids, mask = left_pad(prompts, pad)
     gen = torch.Generator().manual_seed(seed)
-    b = len(prompts)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
     kept: list[Tensor] = []
-    past = backend.init_past(b)
-    t0 = time.perf_counter()
-    prefill_s = 0.0
-    steps = 0
-    for step in range(max_new_tokens):
+    past = backend.init_past(len(prompts))
+
+    def step(ids: Tensor, mask: Tensor, index: int) -> Tensor:
+        nonlocal past
         logits, past = backend.step(ids, mask, past)
         last = logits[:, -1]
-        if not bool(torch.isfinite(last).all()):
-            where = "prefill" if step == 0 else f"decode step {step}"
-            raise GenerationError(f"{where}: the model produced non-finite logits (NaN or Inf) for prompt(s) "
-                                  f"{sorted(set(torch.nonzero(~torch.isfinite(last))[:, 0].tolist()))}; "
-                                  "check the weights")
+        check_finite(last, index)
         if keep_logits:
             kept.append(last.detach().clone())
-        nxt = pick_next(last, temperature, top_p, gen)
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        for i in range(b):
-            if not done[i]:
-                out[i].append(int(nxt[i]))
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-        if step == 0:
-            prefill_s = time.perf_counter() - t0
-        else:
-            steps += 1
-        if progress:
-            progress(step + 1, max_new_tokens)
-        if bool(done.all()):
-            break
-        ids = nxt.unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
-    total = time.perf_counter() - t0
-    return Generation(out, prefill_s, total - prefill_s, steps, kept)
+        return pick_next(last, temperature, top_p, gen)
+
+    result = decode_loop(step, prompts, max_new_tokens, cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+                         eos_token_id, progress and (lambda index: progress(index + 1, max_new_tokens)))
+    result.logits = kept
+    return result

@@ -10,13 +10,13 @@ not a constant) share one build; each still gets its own copy of the library and
 
 OUT: `manifest.json` (kind tvm-sharded: the mesh, the plan, each rank's inputs, outputs, weight order and step
 schedule, versions, the sha256 of every file), `config.json`, and `rank<r>/model.so` + `rank<r>/weights.safetensors`.
-`read_sharded` checks all of it (or one rank's part) before anything is loaded.
+manifest.py (the artifact format) names the files and reads them back: `read_sharded` checks all of it (or one
+rank's part) before anything is loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -32,39 +32,17 @@ from k3compile.interface import (
     CONFIG_FILE,
     ExportError,
     flatten,
-    read_json,
     sha256_file,
-    state_names,
     unflatten,
     write_json,
 )
+from k3compile.manifest import LIBRARY, MANIFEST, WEIGHTS, rank_dir, rank_io
+from k3compile.manifest import SHARDED_KIND as KIND
 from k3compile.model.k3 import Carry, K3ForCausalLM
 from k3compile.modes import Forms
-from k3compile.sharding import Mesh, PlanError, RankPlan, ShardPlan, carry_names, make_plan
-
-KIND = "tvm-sharded"
-MANIFEST = "manifest.json"
-LIBRARY = "model.so"
-WEIGHTS = "weights.safetensors"
-OFFSET = "expert_offset"
-
-
-def rank_dir(r: int) -> str:
-    return f"rank{r}"
-
+from k3compile.sharding import Mesh, RankPlan, ShardPlan, carry_names, make_plan
 
 # ---- one rank's graph -----------------------------------------------------------------------------------------
-
-def rank_io(cfg: K3Config, p: RankPlan, sliced: bool) -> tuple[list[str], list[str]]:
-    """A rank's graph inputs and outputs: (input_ids | the carry), attention_mask, its layers' past[, the first
-    expert of its slice (int64 scalar) when `sliced`] -> (logits | the carry on), their present."""
-    a, b = p.layers
-    past = [f"past.{i}.{n}" for i in range(a, b) for n in state_names(cfg, i)]
-    first = ["input_ids"] if p.first else [f"carry.{n}" for n in carry_names(cfg, a)]
-    last = ["logits"] if p.last else [f"carry.{n}" for n in carry_names(cfg, b)]
-    offset = [OFFSET] if sliced else []
-    return [*first, "attention_mask", *past, *offset], [*last, *(n.replace("past.", "present.", 1) for n in past)]
-
 
 class RankGraph(nn.Module):
     """One rank's step with flat tensors in and out (rank_io's order)."""
@@ -391,78 +369,3 @@ def compile_sharded(export_dir: str | Path, out: str | Path, mesh: Mesh, target:
     return export_sharded(source, out, mesh, target, seed=int(src.get("seed", 0)), experts=src.get("experts", "auto"),
                           activations=doc["activations"], opset=doc["opset"], overwrite=overwrite, progress=progress,
                           dispatch=dispatch)
-
-
-# ---- reading ------------------------------------------------------------------------------------------------------
-
-def is_sharded(folder: str | Path) -> bool:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        return False
-    try:
-        import json
-
-        return json.loads(path.read_text()).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def read_sharded(folder: str | Path, rank: int | None = None) -> tuple[dict, K3Config, ShardPlan]:
-    """The manifest of a sharded OUT, checked: its fields, the plan against the config, and the sha256 of every file
-    (with `rank`, of config.json and that rank's files only: what a worker loads)."""
-    from k3compile.config import ConfigError, read_config
-
-    folder = Path(folder)
-    doc = read_json(folder / MANIFEST, f"{folder}: not a sharded artifact (no {MANIFEST}; run `k3compile export "
-                                       "--mesh`)")
-
-    def bad(why: str) -> ExportError:
-        return ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest ({why}; build it again)")
-
-    if not isinstance(doc, dict) or doc.get("kind") != KIND:
-        raise bad("wrong kind")
-    files, ranks = doc.get("files"), doc.get("ranks")
-    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                            and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items())):
-        raise bad("files")
-    if any(Path(k).is_absolute() or ".." in Path(k).parts for k in files):
-        raise bad("a file outside the folder")
-    if CONFIG_FILE not in files:
-        raise bad("no config.json")
-    _check_files(folder, files, [CONFIG_FILE])
-    try:
-        cfg = read_config(folder / CONFIG_FILE)
-        plan = ShardPlan.from_record(doc.get("plan"), cfg)
-    except (ConfigError, PlanError) as e:
-        raise ExportError(f"{folder}: {e}") from None
-    if not (isinstance(ranks, list) and len(ranks) == plan.mesh.size and all(isinstance(r, dict) for r in ranks)):
-        raise bad("ranks")
-    for p, entry in zip(plan.ranks(), ranks):
-        inputs, outputs = rank_io(cfg, p, plan.mesh.ep > 1)
-        want = {"rank": p.rank, "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
-                "outputs": outputs, "schedule": plan.schedule(p.rank, cfg),
-                "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}"}
-        if not (_same({k: entry.get(k) for k in want}, want) and isinstance(entry.get("params"), list)
-                and all(isinstance(n, str) for n in entry["params"])):
-            raise bad(f"rank {p.rank}'s entry does not match the plan")
-        if entry["library"] not in files or entry["weights"] not in files:
-            raise bad(f"rank {p.rank}'s files are not listed")
-    own = [name for r, e in enumerate(ranks) if rank is None or r == rank for name in (e["library"], e["weights"])]
-    _check_files(folder, files, [n for n in files if n != CONFIG_FILE] if rank is None else own)
-    return doc, cfg, plan
-
-
-def _same(a, b) -> bool:
-    """Equal as JSON (true is not 1 here, as it is to Python's ==)."""
-    import json
-
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
-def _check_files(folder: Path, files: dict[str, str], names: list[str]) -> None:
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            raise ExportError(f"{path}: missing (listed in {MANIFEST})")
-        if sha256_file(path) != files[name]:
-            raise ExportError(f"{path}: its sha256 differs from {MANIFEST}'s (changed or corrupt; build it again)")

@@ -71,34 +71,37 @@ def eager_of(folder: str | Path, source: str | None = None, threads: int | None 
 
 
 def verify_export(folder: str | Path, source: str | None = None, reference: bool = False, decode_steps: int = 2,
-                  threads: int | None = None) -> list[dict]:
+                  threads: int | None = None, device: int | None = None) -> list[dict]:
     """Check an export folder (record, config.json, source) before building anything, rebuild the eager model from
     the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key.
     A compiled artifact (it holds its export) is checked the same way and compared too: in TVM's VM (llvm), or on its
-    device from its launch plan (a GPU target an executor runs here: backends/executor.py)."""
-    from k3compile.compile import read_manifest
+    device from its launch plan (a GPU target an executor runs here: backends/executor.py; `device` picks it). The
+    compiled backend is opened first, so that a missing driver or device is one line before any comparison runs."""
+    from k3compile.manifest import read_manifest
     from k3compile.source import ARTIFACT, kind_of
 
     compiled = kind_of(folder) == ARTIFACT
+    compiled_backend = None
     if compiled:
-        read_manifest(folder)  # every file's sha256, before anything is built
+        from k3compile.backends.executor import DRIVERS, ExecutorBackend
+        from k3compile.backends.tvm import TvmBackend
+        from k3compile.manifest import is_gpu_artifact
+
+        target = read_manifest(folder)["target"]  # every file's sha256, before anything is built
+        if is_gpu_artifact(folder):  # on its device, from its launch plan, where an executor runs its target
+            compiled_backend = ExecutorBackend(folder, device, host=True) if target in DRIVERS else None
+        else:
+            compiled_backend = TvmBackend(folder)
+    if device is not None and compiled_backend is None:
+        raise ExportError("--device picks the device of a GPU artifact's executor; FOLDER is not a GPU artifact an "
+                          "executor runs here")
     eager = eager_of(folder, source, threads)
     rows = [dict(r, backend="onnxruntime")
             for r in verify.compare(eager, OnnxBackend(folder, threads=threads), decode_steps=decode_steps)]
     if reference:
         rows += [dict(r, backend="onnx.reference")
                  for r in verify.compare(eager, OnnxBackend(folder, reference=True), decode_steps=decode_steps)]
-    if compiled:
-        from k3compile.backends.executor import DRIVERS, ExecutorBackend, is_gpu_artifact
-        from k3compile.backends.tvm import TvmBackend
-
-        if is_gpu_artifact(folder):  # on its device, from its launch plan, where an executor runs its target
-            target = read_manifest(folder)["target"]
-            if target not in DRIVERS:
-                return rows
-            compiled_backend = ExecutorBackend(folder, host=True)
-        else:
-            compiled_backend = TvmBackend(folder)
+    if compiled_backend is not None:
         rows += [dict(r, backend=compiled_backend.name)
                  for r in verify.compare(eager, compiled_backend, decode_steps=decode_steps)]
     return rows
@@ -106,16 +109,16 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
 
 def verify_device(folder: str | Path, device: str, source: str | None = None, decode_steps: int = 2,
                   threads: int | None = None, progress=None) -> tuple[list, list[dict], str | None]:
-    """`verify --device`: the k3 kernels of the folder's model (an export, or an artifact of that device's target),
+    """`verify --kernels`: the k3 kernels of the folder's model (an export, or an artifact of that device's target),
     each run on the device against the llvm build and the eager op (device_check.Row), then the whole model run on
     the device kernel by kernel against eager (verify rows, backend "<device>-device"). Returns (kernel rows, step
     rows, why the whole model did not run: the target's refusal, or None)."""
     import onnx
 
     from k3compile import device_check, devices
-    from k3compile.compile import read_manifest
     from k3compile.frontend import to_relax
     from k3compile.interface import MODEL_FILE
+    from k3compile.manifest import read_manifest
     from k3compile.passes import run_phases
     from k3compile.source import ARTIFACT, kind_of
     from k3compile.targets import resolve

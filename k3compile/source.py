@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
-from k3compile.compile import MANIFEST
 from k3compile.config import EXPERT_CHOICES
 from k3compile.interface import EXPORT_JSON, MODEL_FILE, sha256_file
+from k3compile.manifest import MANIFEST
 from k3compile.model.k3 import K3ForCausalLM, init_weights
 from k3compile.model.state_dict_adapter import convert_experts
 from k3compile.presets import PRESETS, load_config

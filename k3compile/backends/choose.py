@@ -41,7 +41,7 @@ def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str
 
         return OnnxBackend(folder, reference=backend == "onnx-reference", threads=threads)
     if kind == ARTIFACT:
-        from k3compile.backends.executor import is_gpu_artifact
+        from k3compile.manifest import is_gpu_artifact
 
         if is_gpu_artifact(folder):
             from k3compile.backends.executor import ExecutorBackend

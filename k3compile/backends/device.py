@@ -1,5 +1,5 @@
 """A GPU target's compiled model run here, kernel by kernel, on a device driver (docs/architecture.md, "GPU
-targets"): the step protocol over k3compile/devices.py's `run_main`, for `verify --device`.
+targets"): the step protocol over k3compile/devices.py's `run_main`, for `verify --kernels`.
 
 `DeviceBackend(folder, device)` takes a compiled artifact of a GPU target (its manifest checked, every file's sha256)
 or an export folder; it lowers the ONNX it holds for the device's target again (what TVM compiled into the
@@ -23,8 +23,9 @@ from k3compile.interface import ExportError, Past, check_step, init_past, numpy_
 class DeviceBackend:
     def __init__(self, folder: str | Path, device: str, progress=None) -> None:
         from k3compile import devices
-        from k3compile.compile import MANIFEST, build, read_manifest
+        from k3compile.compile import build
         from k3compile.config import read_config
+        from k3compile.manifest import MANIFEST, read_manifest
         from k3compile.targets import resolve
 
         folder = Path(folder)
@@ -50,8 +51,8 @@ class DeviceBackend:
                                   "manifest lists (another k3compile or TVM?); compile it again")
             import tvm
 
-            from k3compile.compile import WEIGHTS
             from k3compile.library import read_weights
+            from k3compile.manifest import WEIGHTS
 
             weights = read_weights(folder / WEIGHTS, names, tvm.cpu())
         self._weights = [np.from_dlpack(w) for w in weights]

@@ -23,30 +23,24 @@ from k3compile.interface import ExportError, Past, check_step, init_past, unflat
 DRIVERS = ("opencl",)  # the targets an executor runs here
 
 
-def is_gpu_artifact(folder: str | Path) -> bool:
-    """An artifact whose manifest names a target other than llvm (read loosely: the backend checks it whole)."""
-    try:
-        return json.loads((Path(folder) / "manifest.json").read_text()).get("target") not in (None, "llvm")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def open_driver(target: str, device: int | None = None):
-    """The driver of a GPU target's executor, on device `device`; one DeviceError line where it cannot open."""
+def open_driver(target: str, device: int | None = None, profile: bool = False):
+    """The driver of a GPU target's executor, on device `device` (with `profile`, one that times its launches on
+    the device); one DeviceError line where it cannot open."""
     if target == "opencl":
         from k3compile.executors.opencl import OpenCLDriver
 
-        return OpenCLDriver(device)
+        return OpenCLDriver(device, profile=profile)
     raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
 
 
 class ExecutorBackend:
-    def __init__(self, folder: str | Path, device: int | None = None, host: bool = False) -> None:
+    def __init__(self, folder: str | Path, device: int | None = None, host: bool = False,
+                 profile: bool = False) -> None:
         from safetensors.numpy import load_file
 
-        from k3compile.compile import CONSTANTS, LAUNCH_PLAN, WEIGHTS, read_manifest
         from k3compile.config import read_config
         from k3compile.executors.plan import Program
+        from k3compile.manifest import CONSTANTS, LAUNCH_PLAN, WEIGHTS, read_manifest
 
         folder = Path(folder)
         t0 = time.perf_counter()
@@ -57,7 +51,7 @@ class ExecutorBackend:
                               "it again")
         self.config = read_config(folder / "config.json")
         self.name, self.host = target, host
-        self.driver = open_driver(target, device)
+        self.driver = open_driver(target, device, profile)
         try:
             plan = json.loads((folder / LAUNCH_PLAN).read_text())
             constants = load_file(str(folder / CONSTANTS)) if (folder / CONSTANTS).is_file() else {}
@@ -72,12 +66,17 @@ class ExecutorBackend:
             self.program = Program(plan, constants, self.driver)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise ExportError(f"{folder / LAUNCH_PLAN}: malformed ({type(e).__name__}: {e}); compile again") from None
-        tensors = load_file(str(folder / WEIGHTS))
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ExportError(f"{folder / WEIGHTS}: missing the weight {missing[0]!r} the plan takes")
-        self._weights = [self.program.upload(tensors.pop(n)) for n in names]  # uploaded, then dropped here
-        del tensors
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(folder / WEIGHTS), "np") as f:  # one tensor in host memory at a time
+                stored = set(f.keys())
+                missing = [n for n in names if n not in stored]
+                if missing:
+                    raise ExportError(f"{folder / WEIGHTS}: missing the weight {missing[0]!r} the plan takes")
+                self._weights = [self.program.upload(f.get_tensor(n)) for n in names]
+        except (OSError, SafetensorError) as e:
+            raise ExportError(f"{folder / WEIGHTS}: cannot be read ({e})") from None
         self.driver.sync()
         self.load_s = time.perf_counter() - t0
 

@@ -1,7 +1,7 @@
 """An export folder compiled by TVM, or a compiled artifact, behind the step protocol (docs/architecture.md, "The
 compile path").
 
-`TvmBackend(artifact)` loads `k3compile compile`'s OUT after checking its manifest (compile.read_manifest: every
+`TvmBackend(artifact)` loads `k3compile compile`'s OUT after checking its manifest (manifest.read_manifest: every
 file's sha256) and passes the weights as parameters. `TvmBackend(export_folder, target="llvm")` checks the folder
 like every reader (interface.open_export, check_graph),
 imports model.onnx into Relax (frontend.to_relax), runs the passes' phases (passes.PHASES: every k3 call becomes a
@@ -41,7 +41,8 @@ class TvmBackend:
         import tvm
         from tvm import relax
 
-        from k3compile.compile import MANIFEST, check_target
+        from k3compile.compile import check_target
+        from k3compile.manifest import MANIFEST
         from k3compile.ops import register_tvm_references
 
         folder = Path(folder)
@@ -68,8 +69,8 @@ class TvmBackend:
         self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:
-        from k3compile.compile import LIBRARY, WEIGHTS, read_manifest
         from k3compile.config import read_config
+        from k3compile.manifest import LIBRARY, WEIGHTS, read_manifest
         from k3compile.targets import TARGETS, resolve
 
         self.manifest = read_manifest(folder)

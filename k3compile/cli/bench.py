@@ -89,7 +89,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.command("bench")
 @click.argument("source", default="k3-small")
 @click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
-              help="Comma-separated: eager, onnx, tvm.")
+              help="Comma-separated: eager, onnx, tvm, opencl (the OpenCL executor: SOURCE compiled for opencl), "
+                   "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow).")
 @click.option("--threads", type=IntRange(min=1), default=None,
               help="Threads of every backend (torch, onnxruntime, TVM) [default: every core].")
 @click.option("--repeats", type=IntRange(1, MAX_REPEATS), default=5, show_default=True,
@@ -115,9 +116,10 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
             meshes, dispatches, quiet):
-    """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM in one run: decode and prefill
-    tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert kernel against torch fp32, the KDA
-    kernel as T doubles, the memory roofline, load time and peak memory. Builds into the cache on first use. Run it
+    """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL executor, when named)
+    in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
+    kernel against torch fp32, the KDA kernel as T doubles, the memory roofline, load time and peak memory, the
+    OpenCL kernels' share of a decode step. Builds into the cache on first use. Run it
     on a quiet machine: a second busy process halves every figure on two cores."""
     import importlib.util
 
@@ -156,7 +158,7 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
 def table(result: dict) -> str:
     """The README table: tokens/s per backend and phase, with the ratio to eager."""
     names = sorted({n for sec in ("decode", "prefill") for r in result[sec].values() for n in r["tokens_per_s"]},
-                   key=["eager", "onnx", "tvm"].index)
+                   key=BACKENDS.index)
     lines = ["| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for sec, label in (("decode", "decode b{} (tok/s)"), ("prefill", "prefill T={} (tok/s)")):
         for key, r in result[sec].items():
@@ -180,6 +182,11 @@ def table(result: dict) -> str:
         lines.append(f"| decode roofline ({roof['bandwidth_gb_s']:.1f} GB/s, "
                      f"{roof['bytes_per_decode_token'] / 2**20:.0f} MiB/token) | | | "
                      f"{roof['ceiling_tokens_per_s']:.1f} tok/s" + (f", TVM at {frac:.0%}" if frac else "") + " |")
+    prof = result.get("opencl_profile")
+    if prof:
+        lines.append(f"| OpenCL decode b1, kernels' device time / step ({prof['device']}) | "
+                     f"{prof['kernel_ms']:.2f} of {prof['step_ms']:.2f} ms ({prof['kernel_share']:.0%}), "
+                     f"{prof['launches_per_step']} launches |" + " |" * (len(names) - 1))
     for name, row in result.get("load", {}).items():
         if "load_s" in row:
             lines.append(f"| load {name} | {row['load_s']:.1f} s, peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB |"

@@ -1,4 +1,6 @@
-"""`k3compile verify`: eager against onnxruntime (and onnx.reference) on an export folder, and TVM on an artifact."""
+"""`k3compile verify`: eager against onnxruntime (and onnx.reference) on an export folder, and an artifact on its
+own target (TVM's VM, or its GPU executor); `--kernels` runs the k3 kernels and the model kernel by kernel on a
+device driver."""
 
 from __future__ import annotations
 
@@ -26,28 +28,34 @@ from k3compile.cli.common import (
               help="Rebuild the eager model from here instead of export.json's record.")
 @click.option("--per-layer", "per_layer", is_flag=True,
               help="One row per backend and layer (the worst of its states over every phase) instead of per output.")
-@click.option("--device", type=click.Choice(["opencl", "webgpu"]), default=None,
-              help="Run the model's k3 kernels for this GPU target on this machine's driver (OpenCL: PoCL; WebGPU: "
-                   "wgpu on Vulkan) against the llvm build and eager, then the whole model kernel by kernel "
-                   "(FOLDER: an export, or an artifact compiled for that target).")
+@click.option("--kernels", type=click.Choice(["opencl", "webgpu"]), default=None,
+              help="Instead: run the model's k3 kernels for this GPU target on this machine's driver (OpenCL: PoCL; "
+                   "WebGPU: wgpu on Vulkan) against the llvm build and eager, then the whole model kernel by kernel "
+                   "through host memory (FOLDER: an export, or an artifact compiled for that target).")
+@click.option("--device", type=IntRange(0, 4096), default=None, metavar="N",
+              help="The device a GPU artifact runs on (its executor's device index; default: the driver's "
+                   "environment variable, else the first).")
 @click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, reference, tolerance, decode_steps, source_override, per_layer, device, threads, as_json,
-            quiet):
-    """Run eager and onnxruntime (and onnx.reference) on the same inputs, and TVM when FOLDER is a compiled artifact
-    (`k3compile compile`'s OUT); exit 1 past tolerance.
+def command(folder, reference, tolerance, decode_steps, source_override, per_layer, kernels, device, threads,
+            as_json, quiet):
+    """Run eager and onnxruntime (and onnx.reference) on the same inputs, and, when FOLDER is a compiled artifact
+    (`k3compile compile`'s OUT), the artifact on its own target: TVM's VM for llvm, its device's executor for a GPU
+    target; exit 1 past tolerance.
 
     Checks first that the folder is intact (export.json, config.json, model.onnx agree; an artifact's manifest and
     every file's sha256) and that the source is the exported model, before building any weights."""
     from k3compile.pipeline import verify_export
     from k3compile.verify import per_layer as by_layer
 
-    if device is not None:
-        return _device(folder, device, tolerance, decode_steps, source_override, threads, as_json, quiet)
+    if kernels is not None:
+        if device is not None:
+            raise click.ClickException("--device picks a GPU artifact's device; --kernels runs on the driver's first")
+        return _kernels(folder, kernels, tolerance, decode_steps, source_override, threads, as_json, quiet)
     with user_errors(), status("running eager and the exported model", quiet):
         rows = verify_export(folder, source_override, reference=reference, decode_steps=decode_steps,
-                             threads=threads)
+                             threads=threads, device=device)
     failed = [r for r in rows if not r["max_abs"] <= tolerance]
     if per_layer:
         rows = by_layer(rows)
@@ -72,8 +80,8 @@ def command(folder, reference, tolerance, decode_steps, source_override, per_lay
                                    f"{worst(failed)['max_abs']:.2e}")
 
 
-def _device(folder, device, tolerance, decode_steps, source_override, threads, as_json, quiet):
-    """verify --device: the per-kernel table, then the whole model's rows (or why it did not run)."""
+def _kernels(folder, device, tolerance, decode_steps, source_override, threads, as_json, quiet):
+    """verify --kernels: the per-kernel table, then the whole model's rows (or why it did not run)."""
     from k3compile.device_check import RTOL
     from k3compile.pipeline import verify_device
 

@@ -37,9 +37,11 @@ def devices() -> list:
 
 
 class OpenCLDriver:
-    """One OpenCL device (`index`, else $K3COMPILE_OPENCL_DEVICE, else the first), one context and one queue."""
+    """One OpenCL device (`index`, else $K3COMPILE_OPENCL_DEVICE, else the first), one context and one queue. With
+    `profile`, the queue records each launch's start and end on the device (OpenCL profiling events, kept in
+    `events` until `kernel_time` reads and clears them): what `bench` reports as the kernels' share of a step."""
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, profile: bool = False) -> None:
         import pyopencl as cl
 
         found = devices()
@@ -55,7 +57,10 @@ class OpenCLDriver:
         self.index = index
         self.device = found[index]
         self.ctx = cl.Context(devices=[self.device])
-        self.queue = cl.CommandQueue(self.ctx)
+        self.queue = cl.CommandQueue(
+            self.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE if profile else 0)
+        self.profile = profile
+        self.events: list = []
         self.max_alloc = int(self.device.max_mem_alloc_size)
         self._kernels: dict[str, object] = {}
 
@@ -106,8 +111,19 @@ class OpenCLDriver:
     def enqueue(self, kernel, scalar_dtypes: list[str], handles: list, scalars: list[int], grid, block) -> None:
         """Queue one launch of a built kernel: its buffers, then its scalars (TVM's argument order)."""
         size = tuple(g * b for g, b in zip(grid, block))
-        kernel(self.queue, size, tuple(block), *handles,
-               *(np.dtype(t).type(v) for t, v in zip(scalar_dtypes, scalars)))
+        event = kernel(self.queue, size, tuple(block), *handles,
+                       *(np.dtype(t).type(v) for t, v in zip(scalar_dtypes, scalars)))
+        if self.profile:
+            self.events.append(event)
+
+    def kernel_time(self) -> tuple[float, int]:
+        """(device seconds, launches) of the launches since the last call (a profiling queue's events; waits for
+        them)."""
+        self.queue.finish()
+        total = sum(e.profile.end - e.profile.start for e in self.events) * 1e-9
+        count = len(self.events)
+        self.events.clear()
+        return total, count
 
     def sync(self) -> None:
         self.queue.finish()

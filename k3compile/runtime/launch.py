@@ -55,7 +55,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     """Decode with every rank of OUT's mesh; this machine runs its node's share (all of them on one machine).
     Returns summarize()'s document on node 0, None on the other nodes."""
     from k3compile.generate import check_request
-    from k3compile.partition import read_sharded
+    from k3compile.manifest import read_sharded
     from k3compile.threads import capped
 
     rdzv = rendezvous or Rendezvous()

@@ -9,7 +9,7 @@ from pathlib import Path
 def summarize(folder: str | Path, results: list[dict]) -> dict:
     """Tokens per prompt (from each replica's token source), decode speed, and bytes per decode step and per decode
     token of every rank and collective, next to the plan's prediction (sharding/cost.py)."""
-    from k3compile.partition import read_sharded
+    from k3compile.manifest import read_sharded
     from k3compile.sharding.cost import step_bytes
 
     doc, cfg, plan = read_sharded(folder, rank=0)

@@ -3,7 +3,7 @@
 A worker is one process of a torch.distributed world (gloo on CPU), started by `k3compile run`'s launcher
 (runtime/launch.py) on its machine, with its rank in the environment and its options in the launcher's private run
 folder (JSON). It joins the run's store (runtime/rendezvous.py), checks its own files against the manifest
-(partition.read_sharded), loads its library and weight shard into the Relax VM, and runs its step schedule for
+(manifest.read_sharded), loads its library and weight shard into the Relax VM, and runs its step schedule for
 every token:
 
     recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
@@ -24,7 +24,6 @@ import datetime
 import os
 import socket
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,11 +39,10 @@ class RuntimeFault(UserError):
 
 @dataclass
 class Stats:
-    """Payload bytes this rank handed to each collective, in prefill and in decode, and the decode steps."""
+    """Payload bytes this rank handed to each collective, in prefill and in decode."""
 
     prefill: Counter = field(default_factory=Counter)
     decode: Counter = field(default_factory=Counter)
-    decode_steps: int = 0
     counting: str = "prefill"
 
     def add(self, op: str, nbytes: int) -> None:
@@ -70,7 +68,7 @@ class Rank:
     def __init__(self, folder: Path, rank: int, world: int, options: Options) -> None:
         import torch.distributed as dist
 
-        from k3compile.partition import read_sharded
+        from k3compile.manifest import read_sharded
 
         self.doc, self.cfg, self.plan = read_sharded(folder, rank)
         if world != self.plan.mesh.size:
@@ -217,7 +215,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
     import torch
     import torch.distributed as dist
 
-    from k3compile.generate import check_request, left_pad, pick_next
+    from k3compile.generate import check_request, decode_loop, pick_next
     from k3compile.interface import init_past
     from k3compile.ops.collectives import set_collective
     from k3compile.threads import use_threads
@@ -250,42 +248,27 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
         prompts = options.prompts[first:end]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-        all_ids, all_mask = left_pad(prompts, pad)
-        ids, mask = mine(all_ids), mine(all_mask)
         past = [t for state in init_past(cfg, padded)[slice(*p.layers)] for t in state]
         gen = torch.Generator().manual_seed(options.seed)
-        out: list[list[int]] = [[] for _ in prompts]
-        done = torch.zeros(len(prompts), dtype=torch.bool)
-        set_collective(me.collective)
-        t0 = time.perf_counter()
-        prefill_s = 0.0
-        for step in range(options.max_new_tokens):
-            me.stats.counting = "prefill" if step == 0 else "decode"
 
-            def pick(logits, step=step):
+        def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
+            nonlocal past                     # tokens come back from the last stage (Rank.step)
+            me.stats.counting = "prefill" if index == 0 else "decode"
+
+            def pick(logits):
                 if not bool(torch.isfinite(logits).all()):
-                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {step}; check the weights")
+                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
                 return pick_next(logits, options.temperature, options.top_p, gen)
 
-            nxt, past = me.step(ids, mask, past, pick, rows)
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            for i in range(len(prompts)):
-                if not done[i]:
-                    out[i].append(int(nxt[i]))
-            if cfg.eos_token_id is not None:
-                done |= nxt == cfg.eos_token_id
-            if step == 0:
-                prefill_s = time.perf_counter() - t0
-            else:
-                me.stats.decode_steps += 1
+            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows)
+            return nxt
+
+        def on_step(index):
             if options.progress and rank == 0:
-                print(f"step {step + 1}/{options.max_new_tokens}", file=sys.stderr, flush=True)
-            if bool(done.all()):
-                break
-            all_ids = nxt.unsqueeze(-1)
-            all_mask = torch.cat([all_mask, torch.ones_like(all_ids)], dim=-1)
-            ids, mask = mine(all_ids), mine(all_mask)
-        decode_s = time.perf_counter() - t0 - prefill_s
+                print(f"step {index + 1}/{options.max_new_tokens}", file=sys.stderr, flush=True)
+
+        set_collective(me.collective)
+        decoded = decode_loop(step, prompts, options.max_new_tokens, pad, cfg.eos_token_id, on_step)
         set_collective(None)
         if options.states_dir:
             import numpy as np
@@ -294,8 +277,8 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
             np.savez(Path(options.states_dir) / f"states.rank{rank}.npz",
                      **{n: t.numpy() for n, t in zip(names, past)})
         result = {"rank": rank, "replica": p.replica, "rows": [first, end], "own_rows": [own_lo, own_hi],
-                  "padded_rows": padded, "tokens": out,
-                  "prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": me.stats.decode_steps,
+                  "padded_rows": padded, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
+                  "decode_s": decoded.decode_s, "decode_steps": decoded.decode_steps,
                   "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
         return gather_json(result, world)  # after decode: not counted
     finally:

@@ -90,3 +90,6 @@ def test_verify_runs_a_gpu_artifact_on_its_device(opencl_artifact):
     mine = [row for row in rows if row["backend"] == "opencl"]
     assert mine and all(row["max_abs"] <= ATOL for row in mine)
     assert {row["backend"] for row in rows} == {"onnxruntime", "opencl"}
+    # --device picks the artifact's device: one that does not exist is one line, before anything is compared
+    one_line_error(run("verify", opencl_artifact, "--device", "99"), "OpenCL device 99 does not exist")
+    one_line_error(run("verify", opencl_artifact, "--kernels", "opencl", "--device", "0"), "--device picks")

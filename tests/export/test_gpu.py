@@ -275,25 +275,25 @@ def test_k3_small_kernels_build_for_every_gpu_target(target):
         assert low.kernels and all(kernel_source(k, tgt.tvm()) for k in low.kernels), name
 
 
-# ---- the whole model on OpenCL, and verify --device ----------------------------------------------------------------
+# ---- the whole model on OpenCL, and verify --kernels ----------------------------------------------------------------
 
 def test_verify_device_runs_k3_tiny_on_opencl_kernel_by_kernel(opencl_artifact):
     """The artifact's whole model on PoCL (prefill of a left-padded batch, one decode step) against eager, and its
     k3 kernels against the llvm build and eager."""
     out = opencl_artifact
-    r = run("verify", out, "--device", "opencl", "--decode-steps", "1", "--json", "--quiet")
+    r = run("verify", out, "--kernels", "opencl", "--decode-steps", "1", "--json", "--quiet")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["ok"] and doc["whole_model_refused"] is None
     assert {k["kernel"].split()[0] for k in doc["kernels"]} == {"k3.kda_recurrence", "k3.latent_moe_dispatch"}
     assert {r["phase"] for r in doc["rows"]} == {"prefill", "decode 1"}
     assert all(r["backend"] == "opencl-device" and r["max_abs"] <= 1e-4 for r in doc["rows"])
-    one_line_error(run("verify", out, "--device", "webgpu"), "compiled for opencl, not webgpu")
+    one_line_error(run("verify", out, "--kernels", "webgpu"), "compiled for opencl, not webgpu")
 
 
 def test_verify_device_on_an_export_runs_the_webgpu_kernels_and_names_the_refusal(tiny_export):
     _driver("webgpu")
-    r = run("verify", tiny_export[1], "--device", "webgpu", "--decode-steps", "0", "--json", "--quiet")
+    r = run("verify", tiny_export[1], "--kernels", "webgpu", "--decode-steps", "0", "--json", "--quiet")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert doc["ok"] and len(doc["kernels"]) == 4 and doc["rows"] == []

@@ -132,7 +132,7 @@ def accounted(cfg, plan, rank: int, rows: int) -> dict:
 
 @pytest.mark.parametrize("model,mesh,dispatch", CASES)
 def test_distributed_decode_equals_eager_and_one_process(model, mesh, dispatch, sharded, references, tmp_path):
-    from k3compile.partition import read_sharded
+    from k3compile.manifest import read_sharded
 
     eager, tvm = references[model]
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
@@ -395,7 +395,7 @@ def test_run_stats_prints_measured_next_to_the_plan(sharded):
 
 
 def test_the_manifest_names_each_ranks_share(sharded):
-    from k3compile.partition import read_sharded
+    from k3compile.manifest import read_sharded
 
     doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3", "all-reduce")])
     assert [r["experts"] for r in doc["ranks"]] == [[0, 3], [3, 6], [6, 8]]  # 8 experts on 3 ranks

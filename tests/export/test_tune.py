@@ -33,7 +33,7 @@ def tuned_artifact(tiny_export, tmp_path_factory):
 
 
 def test_tuned_artifact_holds_the_decode_library_and_the_database(tuned_artifact):
-    from k3compile.compile import read_manifest
+    from k3compile.manifest import read_manifest
     from k3compile.tune import DECODE_LIBRARY, RECORDS, WORKLOADS
 
     out, printed = tuned_artifact

@@ -201,8 +201,8 @@ def test_importer_fixes_keep_a_shape_computed_slice_symbolic():
 # ---- the compiled artifact ----------------------------------------------------------------------------------------
 
 def test_artifact_holds_what_the_manifest_lists(tvm_artifact):
-    from k3compile.compile import read_manifest
     from k3compile.interface import sha256_file
+    from k3compile.manifest import read_manifest
 
     manifest, out = tvm_artifact
     assert set(manifest["files"]) >= {"model.so", "weights.safetensors", "model.onnx", "config.json", "export.json"}
@@ -307,8 +307,8 @@ def test_assert_matches_eager_catches_a_wrong_weight(tmp_path, tvm_artifact):
 
     from safetensors.numpy import load_file, save_file
 
-    from k3compile.compile import MANIFEST, WEIGHTS
     from k3compile.interface import sha256_file, write_json
+    from k3compile.manifest import MANIFEST, WEIGHTS
     from k3compile.testing import assert_matches_eager
 
     bad = tmp_path / "bad"

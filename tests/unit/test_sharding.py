@@ -226,7 +226,8 @@ def test_plan_cli_table_json_and_refusal():
 
 def _fake_sharded(folder):
     """A sharded folder whose files are placeholders but whose manifest is what export_sharded writes."""
-    from k3compile.partition import KIND, MANIFEST, rank_dir, rank_io
+    from k3compile.manifest import MANIFEST, rank_dir, rank_io
+    from k3compile.manifest import SHARDED_KIND as KIND
 
     cfg = preset("k3-tiny")
     plan = make_plan(cfg, Mesh(2, 2))
@@ -247,7 +248,7 @@ def _fake_sharded(folder):
 
 
 def test_the_fake_sharded_folder_reads(tmp_path):
-    from k3compile.partition import read_sharded
+    from k3compile.manifest import read_sharded
 
     doc = _fake_sharded(tmp_path)
     assert read_sharded(tmp_path)[0] == doc and read_sharded(tmp_path, rank=1)[2].mesh == Mesh(2, 2)
@@ -265,7 +266,7 @@ def _mutations():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_mutations())
 def test_read_sharded_refuses_edited_manifests_with_one_error(tmp_path_factory, edits):
-    from k3compile.partition import MANIFEST, read_sharded
+    from k3compile.manifest import MANIFEST, read_sharded
 
     folder = tmp_path_factory.mktemp("fuzz")
     doc = _fake_sharded(folder)

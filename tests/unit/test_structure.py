@@ -173,3 +173,27 @@ def test_run_layers_checks_its_range():
     m = tiny_model()
     with pytest.raises(ValueError, match=r"layers \[2, 9\)"):
         m.run_layers(m.embed(torch.tensor([[1]])), 2, 9, m.init_past(1)[2:])
+
+
+def test_the_artifact_format_is_read_through_one_module():
+    """k3compile/manifest.py owns the artifact format: no other module names the artifact's files or reads its
+    manifest (artifact.py's ownership rule for --overwrite names the record files too: it decides what is ours), and
+    reading one imports neither the compiler nor the model (checked in a fresh process)."""
+    import re as re_
+
+    names = re_.compile(r'"(manifest\.json|model\.so|weights\.safetensors|launch\.json|constants\.safetensors|'
+                        r'tvm-executable|tvm-sharded)"')
+    allowed = {"k3compile/manifest.py", "k3compile/artifact.py"}
+    found = []
+    for src in ("k3compile", "targets", "passes"):
+        for path in (ROOT / src).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel not in allowed and names.search(path.read_text()):
+                found.append(rel)
+    assert not found, found
+    code = ("import sys, k3compile.manifest\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('k3compile.model', 'k3compile.compile', "
+            "'k3compile.partition', 'tvm')))\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"importing k3compile.manifest loaded {out}"
