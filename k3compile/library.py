@@ -185,22 +185,36 @@ def _header(path: Path) -> tuple[dict, int, int]:
 
 def read_weights(path: Path, names: list[str], device) -> list:
     """The named tensors of a safetensors file, each read straight into TVM memory (no numpy copy, no memory map:
-    the peak resident memory is the weights once plus the process). The format: an 8-byte little-endian header
-    length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}} (offsets after the header), the data.
-    The file's sha256 was checked against the manifest already; every entry is still checked before it is read."""
-    import math
-
+    the peak resident memory is the weights once plus the process)."""
     import tvm
+
+    def empty(shape, dtype):
+        t = tvm.runtime.empty(shape, dtype, device)
+        return t, np.from_dlpack(t)
+
+    return list(read_tensors(path, names, empty))
+
+
+def read_tensors(path: Path, names: list[str], empty=None):
+    """Yield the named tensors of a safetensors file in order, each read into the buffer `empty(shape, dtype)`
+    returns as (tensor, its writable numpy view) (default: a numpy array), one at a time: no memory map, so the file
+    is never resident as a whole. The format: an 8-byte little-endian header length, a JSON header {name: {dtype,
+    shape, data_offsets: [begin, end]}} (offsets after the header), the data. The file's sha256 was checked against
+    the manifest already; every entry is still checked before its buffer is allocated."""
+    import math
 
     path = Path(path)
     header, n, size = _header(path)
+    if empty is None:
+        def empty(shape, dtype):
+            a = np.empty(shape, dtype)
+            return a, a
 
     def bad(why: str) -> ExportError:
         return _unreadable(path, why)
 
     try:
         with open(path, "rb") as f:
-            out = []
             for name in names:
                 ent = header.get(name)
                 if not isinstance(ent, dict):
@@ -211,17 +225,15 @@ def read_weights(path: Path, names: list[str], device) -> list:
                         or not (isinstance(offsets, list) and len(offsets) == 2
                                 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets))):
                     raise bad(f"entry {name!r} malformed")
-                tvm_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
+                np_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
                 begin, end = offsets
                 if not (0 <= begin <= end and 8 + n + end <= size
                         and end - begin == itemsize * math.prod(shape)):  # checked before any allocation
                     raise bad(f"entry {name!r} out of range")
-                t = tvm.runtime.empty(shape, tvm_dtype, device)
-                view = np.from_dlpack(t)
+                t, view = empty(shape, np_dtype)
                 f.seek(8 + n + begin)
                 if view.nbytes and f.readinto(memoryview(view.reshape(-1)).cast("B")) != view.nbytes:
                     raise bad("truncated")
-                out.append(t)
-            return out
+                yield t
     except OSError as e:
         raise ExportError(f"{path}: unreadable ({e.strerror or e})") from None

@@ -66,17 +66,11 @@ class ExecutorBackend:
             self.program = Program(plan, constants, self.driver)
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
             raise ExportError(f"{folder / LAUNCH_PLAN}: malformed ({type(e).__name__}: {e}); compile again") from None
-        from safetensors import SafetensorError, safe_open
+        from k3compile.library import read_tensors
 
-        try:
-            with safe_open(str(folder / WEIGHTS), "np") as f:  # one tensor in host memory at a time
-                stored = set(f.keys())
-                missing = [n for n in names if n not in stored]
-                if missing:
-                    raise ExportError(f"{folder / WEIGHTS}: missing the weight {missing[0]!r} the plan takes")
-                self._weights = [self.program.upload(f.get_tensor(n)) for n in names]
-        except (OSError, SafetensorError) as e:
-            raise ExportError(f"{folder / WEIGHTS}: cannot be read ({e})") from None
+        # one tensor in host memory at a time, read straight from the file (no memory map: docs/toolchain.md,
+        # "Benchmarks"), uploaded, dropped; every entry checked against the header before it is read
+        self._weights = [self.program.upload(t) for t in read_tensors(folder / WEIGHTS, names)]
         self.driver.sync()
         self.load_s = time.perf_counter() - t0
 

@@ -373,26 +373,39 @@ def _weights_file(path, tensors: dict) -> None:
     save_file(tensors, str(path))
 
 
+def _both_readers(path, names):
+    """library.read_weights (into TVM memory: the CPU backends) and read_tensors (into numpy, one at a time: the
+    GPU executors' upload): the same tensors, or the same kind of error."""
+    from k3compile.library import read_tensors, read_weights
+
+    into_tvm = [t.numpy() for t in read_weights(path, names, tvm.cpu())]
+    into_numpy = list(read_tensors(path, names))
+    for a, b in zip(into_tvm, into_numpy):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return into_numpy
+
+
 def test_read_weights_reads_what_safetensors_wrote(tmp_path):
-    from k3compile.library import read_weights
+    from k3compile.library import read_tensors
 
     tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, 255], dtype=np.uint8),
                "e": np.zeros((0, 5), dtype=np.float32), "i": np.array([-3, 2**40], dtype=np.int64),
                "t": np.array(True)}  # every dtype a compiled module takes (a bool scalar among them)
     _weights_file(tmp_path / "w.safetensors", tensors)
-    got = read_weights(tmp_path / "w.safetensors", ["i", "a", "e", "b", "t"], tvm.cpu())
+    got = _both_readers(tmp_path / "w.safetensors", ["i", "a", "e", "b", "t"])
     for name, t in zip(["i", "a", "e", "b", "t"], got):
-        np.testing.assert_array_equal(t.numpy(), tensors[name])
+        np.testing.assert_array_equal(t, tensors[name])
     with pytest.raises(ExportError, match="missing the weight 'zz'"):
-        read_weights(tmp_path / "w.safetensors", ["a", "zz"], tvm.cpu())
+        _both_readers(tmp_path / "w.safetensors", ["a", "zz"])
+    with pytest.raises(ExportError, match="missing the weight 'zz'"):
+        list(read_tensors(tmp_path / "w.safetensors", ["a", "zz"]))
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_read_weights_on_damaged_files_reads_or_raises_one_error(tmp_path, data):
-    """Truncations, flipped bytes and edited headers: the right tensors, or ExportError; never another error."""
-    from k3compile.library import read_weights
-
+    """Truncations, flipped bytes and edited headers: the right tensors, or ExportError; never another error (both
+    readers)."""
     tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.uint8)}
     path = tmp_path / "w.safetensors"
     _weights_file(path, tensors)
@@ -414,7 +427,7 @@ def test_read_weights_on_damaged_files_reads_or_raises_one_error(tmp_path, data)
         raw = bytearray(len(body).to_bytes(8, "little")) + body + raw[8 + n:]
     path.write_bytes(bytes(raw))
     try:
-        got = read_weights(path, ["a", "b"], tvm.cpu())
+        got = _both_readers(path, ["a", "b"])
     except ExportError:
         return
-    assert [t.numpy().shape for t in got] == [(2, 3), (4,)] or how == "flip"  # a flipped data byte reads as data
+    assert [t.shape for t in got] == [(2, 3), (4,)] or how == "flip"  # a flipped data byte reads as data
