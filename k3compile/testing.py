@@ -23,7 +23,11 @@ def open_backend(folder: str | Path, threads: int | None = None):
     """The backend that runs `folder` on its own target: TVM's VM for a CPU artifact, its device's executor for a
     GPU artifact (every output brought back, to compare), onnxruntime for an export folder."""
     from k3compile.backends.choose import open_backend as choose
+    from k3compile.interface import ExportError
+    from k3compile.source import ARTIFACT, EXPORT, kind_of
 
+    if kind_of(folder) not in (EXPORT, ARTIFACT):  # else "auto" would pick eager, and eager would match eager
+        raise ExportError(f"{folder}: not an export folder or a compiled artifact")
     return choose(str(folder), "auto", threads=threads, host=True)
 
 

@@ -93,3 +93,12 @@ def test_verify_runs_a_gpu_artifact_on_its_device(opencl_artifact):
     # --device picks the artifact's device: one that does not exist is one line, before anything is compared
     one_line_error(run("verify", opencl_artifact, "--device", "99"), "OpenCL device 99 does not exist")
     one_line_error(run("verify", opencl_artifact, "--kernels", "opencl", "--device", "0"), "--device picks")
+
+
+def test_users_helper_runs_a_gpu_artifact_on_its_device(opencl_artifact):
+    """k3compile.testing.assert_matches_eager on an OpenCL artifact compares it, run on its device, with eager."""
+    from k3compile.testing import assert_matches_eager, open_backend
+
+    assert open_backend(opencl_artifact).name == "opencl"
+    rows = assert_matches_eager(opencl_artifact, prompts=PROMPTS, atol=ATOL, decode_steps=1, new_tokens=4)
+    assert len(rows) == 2 * (1 + 2 * 7)  # 2 phases x (logits + two states per layer)

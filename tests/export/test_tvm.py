@@ -300,6 +300,19 @@ def test_assert_matches_eager_passes_on_the_artifact(tvm_artifact):
     assert len(rows) == 3 * (1 + 2 * 7)  # 3 phases x (logits + two states per layer)
 
 
+def test_assert_matches_eager_refuses_what_is_not_a_built_folder(tmp_path):
+    """A preset or a checkpoint folder is not something built: comparing it would be eager against eager."""
+    from k3compile.checkpoint import save_checkpoint
+    from k3compile.interface import ExportError
+    from k3compile.source import load_model
+    from k3compile.testing import assert_matches_eager
+
+    save_checkpoint(load_model("k3-tiny"), tmp_path / "ckpt")
+    for folder in ("k3-tiny", tmp_path / "ckpt"):
+        with pytest.raises(ExportError, match="not an export folder or a compiled artifact"):
+            assert_matches_eager(folder)
+
+
 def test_assert_matches_eager_catches_a_wrong_weight(tmp_path, tvm_artifact):
     """An artifact consistent in itself (manifest rehashed) but with one weight changed: the helper must fail,
     naming the outputs in a table."""
