@@ -77,16 +77,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
         mod, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir,
                                                library_path=None if tgt.gpu else w.path / LIBRARY)
         if tgt.gpu:
-            from k3compile.targets.gpu import device_source
-            from k3compile.targets.launch_plan import launch_plan
-
-            executable.export_library(str(w.path / LIBRARY))
-            (w.path / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
-            step("writing the launch plan")  # what the executors run (backends/executor.py), without TVM
-            plan, constants = launch_plan(mod, tgt)
-            plan["main"]["weights"] = names  # the names the plan takes, as the library's signature does on llvm
-            write_json(w.path / LAUNCH_PLAN, plan)
-            save_file(constants, str(w.path / CONSTANTS))
+            write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
         if tune:
             decode, rows = build_decode(export_dir, target, tune, work, progress=step)
@@ -134,6 +125,23 @@ def _dump_folder(path: str | Path, create: bool = True, apart_from: tuple = ()) 
     except OSError as e:
         raise ExportError(f"{path}: cannot create it ({e.strerror or e})") from None
     return path
+
+
+def write_gpu_build(folder: Path, mod, executable, names: list[str], tgt, step: Callable[[str], None]) -> None:
+    """A GPU build's files in `folder` (an artifact's, or a sharded artifact's rank folder): the library (host code,
+    for the record), the device source, the launch plan with the weight names it takes, and its constants."""
+    from safetensors.numpy import save_file
+
+    from k3compile.targets.gpu import device_source
+    from k3compile.targets.launch_plan import launch_plan
+
+    executable.export_library(str(folder / LIBRARY))
+    (folder / f"{DEVICE_SOURCE}{tgt.source[1]}").write_text(device_source(executable, tgt.source[0]))
+    step("writing the launch plan")  # what the executors run (backends/executor.py), without TVM
+    plan, constants = launch_plan(mod, tgt)
+    plan["main"]["weights"] = names  # the names the plan takes, as the library's signature does on llvm
+    write_json(folder / LAUNCH_PLAN, plan)
+    save_file(constants, str(folder / CONSTANTS))
 
 
 def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,
@@ -195,18 +203,13 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
     (targets/gpu.py: check), then TVM compiles it (host code for this CPU, device source for the target). The
     executable cannot run here (no device runtime in this TVM): k3compile/devices.py runs its kernels."""
     import tvm
-    from tvm import relax
 
     from k3compile.passes import run_phases
     from k3compile.targets import gpu
 
-    mod = run_phases(mod, tgt, upto="lift-weight-transforms", dump_dir=dump)
-    transform = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == "main_transform_params"})
-    mod = relax.transform.DeadCodeElimination(["main"])(tvm.IRModule(  # attrs: phase 1's declined reasons
-        {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main_transform_params"}, attrs=mod.attrs))
+    mod, transform = _split_transform(mod, tgt, dump)
     step("putting the weights in the target's layout (on this CPU)")
-    vm = relax.VirtualMachine(tvm.compile(transform, target="llvm"), tvm.cpu())
-    weights = list(vm["main_transform_params"](list(raw)))
+    weights = library.transform_weights(transform, raw)
     mod = run_phases(mod, tgt, dump_dir=dump, start="legalize-fuse")
     step(f"checking the kernels against {tgt.name}'s limits")
     _no_extern_calls(mod, tgt)
@@ -218,6 +221,31 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
                 tgt.finish_passes()), tir_pipeline=gpu.tir_pipeline(tgt))
     names = weight_names(mod)
     return mod, executable or None, names, weights
+
+
+def _split_transform(mod, tgt, dump=None):
+    """Phases 1-3 of a GPU build: (main alone, to go on through phases 4-5; its lifted weight transform compiled for
+    this CPU)."""
+    import tvm
+    from tvm import relax
+
+    from k3compile.passes import run_phases
+
+    mod = run_phases(mod, tgt, upto="lift-weight-transforms", dump_dir=dump)
+    transform = tvm.IRModule({gv: f for gv, f in mod.functions_items() if gv.name_hint == "main_transform_params"})
+    mod = relax.transform.DeadCodeElimination(["main"])(tvm.IRModule(  # attrs: phase 1's declined reasons
+        {gv: f for gv, f in mod.functions_items() if gv.name_hint != "main_transform_params"}, attrs=mod.attrs))
+    return mod, tvm.compile(transform, target="llvm")
+
+
+def gpu_weight_transform(proto, target: str):
+    """The compiled weight transform of a k3 ONNX graph's GPU build, without building it: what a sharded rank whose
+    graph another rank built runs on its own tensors (k3compile/partition.py)."""
+    from k3compile.frontend import to_relax
+    from k3compile.targets import resolve
+
+    mod, _, _ = to_relax(proto, keep_params=True)
+    return _split_transform(mod, resolve(target))[1]
 
 
 def _no_extern_calls(mod, tgt) -> None:

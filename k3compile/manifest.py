@@ -124,18 +124,22 @@ def read_sharded(folder: str | Path, rank: int | None = None) -> tuple[dict, K3C
         raise ExportError(f"{folder}: {e}") from None
     if not (isinstance(ranks, list) and len(ranks) == plan.mesh.size and all(isinstance(r, dict) for r in ranks)):
         raise bad("ranks")
+    gpu = doc.get("target") not in (None, "llvm")  # its ranks run their launch plans (backends/executor.py)
     for p, entry in zip(plan.ranks(), ranks):
         inputs, outputs = rank_io(cfg, p, plan.mesh.ep > 1)
+        own = {"library": LIBRARY, "weights": WEIGHTS, **({"launch_plan": LAUNCH_PLAN, "constants": CONSTANTS}
+                                                           if gpu else {})}
         want = {"rank": p.rank, "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
                 "outputs": outputs, "schedule": plan.schedule(p.rank, cfg),
-                "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}"}
+                **{k: f"{rank_dir(p.rank)}/{name}" for k, name in own.items()}}
         if not (_same({k: entry.get(k) for k in want}, want) and isinstance(entry.get("params"), list)
                 and all(isinstance(n, str) for n in entry["params"])):
             raise bad(f"rank {p.rank}'s entry does not match the plan")
-        if entry["library"] not in files or entry["weights"] not in files:
+        if any(entry[k] not in files for k in own):
             raise bad(f"rank {p.rank}'s files are not listed")
-    own = [name for r, e in enumerate(ranks) if rank is None or r == rank for name in (e["library"], e["weights"])]
-    check_files(folder, files, [n for n in files if n != CONFIG_FILE] if rank is None else own, "build it again")
+    # every file of the folder, or config.json and the files of the rank's own folder (all a worker reads)
+    check_files(folder, files, [n for n in files if n != CONFIG_FILE and (
+        rank is None or n.startswith(f"{rank_dir(rank)}/"))], "build it again")
     return doc, cfg, plan
 
 

@@ -36,7 +36,7 @@ from k3compile.interface import (
     unflatten,
     write_json,
 )
-from k3compile.manifest import LIBRARY, MANIFEST, WEIGHTS, rank_dir, rank_io
+from k3compile.manifest import CONSTANTS, DEVICE_SOURCE, LAUNCH_PLAN, LIBRARY, MANIFEST, WEIGHTS, rank_dir, rank_io
 from k3compile.manifest import SHARDED_KIND as KIND
 from k3compile.model.k3 import Carry, K3ForCausalLM
 from k3compile.modes import Forms
@@ -256,11 +256,14 @@ def swap_weights(proto, state: dict[str, Tensor]):
 
 
 def check_mesh_target(target: str) -> None:
+    """A mesh's ranks run in TVM's VM (llvm) or on a device executor (backends/executor.py), their collectives
+    staged through host memory over gloo; other GPU targets have no executor to run a rank yet."""
+    from k3compile.backends.executor import DRIVERS
     from k3compile.targets import resolve
 
-    if resolve(target).gpu:
-        raise ExportError(f"--mesh with target {target!r}: the runtime's collectives here are gloo on CPU processes; "
-                          "GPU ranks need their device's collective backend, which no driver here offers (use llvm)")
+    if resolve(target).gpu and target not in DRIVERS:
+        raise ExportError(f"--mesh with target {target!r}: no executor runs its ranks here (GPU ranks: "
+                          f"{', '.join(DRIVERS)}; or llvm)")
 
 
 def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,
@@ -270,7 +273,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.compile import build_proto, check_target
+    from k3compile.compile import build_proto, check_target, gpu_weight_transform, write_gpu_build
     from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
@@ -280,6 +283,9 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     step = progress or (lambda msg: None)
     check_target(target)
     check_mesh_target(target)
+    tgt = resolve(target)
+    # a rank whose graph another rank built copies these of its folder
+    built_files = ([LIBRARY, f"{DEVICE_SOURCE}{tgt.source[1]}", LAUNCH_PLAN, CONSTANTS] if tgt.gpu else [LIBRARY])
     register_tvm_references()  # the VM resolves every extern a graph calls (k3.all_reduce) when it is created
     check_format(opset, activations)
     rec = record(source, seed, experts)
@@ -314,15 +320,22 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
             key = structure_key(proto)
             folder = w.path / rank_dir(p.rank)
             folder.mkdir()
-            if key in builds:  # the same library: copied, its weight transform run on this rank's tensors
+            if key in builds:  # the same build: its files copied, its weight transform run on this rank's tensors
                 built_by, loaded, names = builds[key]
                 step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
-                shutil.copyfile(w.path / rank_dir(built_by) / LIBRARY, folder / LIBRARY)
+                for name in built_files:
+                    shutil.copyfile(w.path / rank_dir(built_by) / name, folder / name)
+                if loaded is None:  # a GPU build: its weight transform compiled once, for the ranks that copy it
+                    loaded = gpu_weight_transform(proto, target)
+                    builds[key] = (built_by, loaded, names)
                 _, _, raw = to_relax(proto, keep_params=True)
                 weights = library.transform_weights(loaded, raw)
             else:
-                _, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
-                    f"{t}: {m}"), library_path=folder / LIBRARY)
+                mod, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
+                    f"{t}: {m}"), library_path=None if tgt.gpu else folder / LIBRARY)
+                if tgt.gpu:  # the rank's launch plan and kernels (backends/executor.py runs them)
+                    write_gpu_build(folder, mod, loaded, names, tgt, lambda m, t=tag: step(f"{t}: {m}"))
+                    loaded = None
                 builds[key] = (p.rank, loaded, names)
                 built_by = p.rank
             save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
@@ -331,6 +344,8 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                           "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
                           "outputs": outputs, "params": names, "built_with": built_by,
                           "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}",
+                          **({"launch_plan": f"{rank_dir(p.rank)}/{LAUNCH_PLAN}",
+                              "constants": f"{rank_dir(p.rank)}/{CONSTANTS}"} if tgt.gpu else {}),
                           "schedule": plan.schedule(p.rank, cfg)})
         cfg.save(w.path / CONFIG_FILE)
         for f in sorted(w.path.rglob("*")):

@@ -8,7 +8,9 @@ target)` reads the compiled module (after the phases: `main` is a sequence of ca
 
 - `main`: its parameters (graph inputs, then weights: dtype and shape, each dimension a number or a shape variable
   such as `batch`), its bindings in order (`call`: a PrimFunc, the values it takes, its scalar arguments and the
-  shapes of what it returns; `item`: an element of a tuple; `const`: one of the module's constants, saved beside the
+  shapes of what it returns; `extern`: a host function by its symbol, which only the collectives are
+  (ops/collectives.py: the executor downloads its tensor arguments, the function fills its results in host memory,
+  which are uploaded); `item`: an element of a tuple; `const`: one of the module's constants, saved beside the
   plan) and what it returns;
 - `funcs`: per PrimFunc, its parameters (buffers with their shapes in the PrimFunc's own variables, scalars), the
   host's let-bindings, the workspace it allocates, and per device kernel its name, parameters, the PrimFunc
@@ -56,6 +58,7 @@ def expr(e):
 def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """(plan, constants) of a GPU module after the phases (see the module docstring)."""
     import tvm
+    from k3compile.passes.lower_k3_calls import extern_by_design
     from k3compile.targets.gpu import is_buffer, kernel_source, lower
     from tvm import relax
 
@@ -64,6 +67,7 @@ def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[st
     ids: dict[int, str] = {}  # a Relax var (by object) -> its value's name in the plan
     constants: dict[str, np.ndarray] = {}
     call_tir = tvm.ir.Op.get("relax.call_tir")
+    call_dps = tvm.ir.Op.get("relax.call_dps_packed")
 
     def spec(ty) -> dict:
         return {"dtype": str(ty.dtype), "shape": [expr(d) for d in ty.shape]}
@@ -72,7 +76,8 @@ def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[st
         """A value main passes: a variable, a constant (saved), a tuple of them, or an integer (a shape value)."""
         if isinstance(e, relax.Var) and e.__chandle__() in ids:
             return ids[e.__chandle__()]
-        if str(e.ty).startswith(("int", "uint")):  # a shape variable (or expression) passed as a scalar
+        if str(e.ty).startswith(("int", "uint")):  # a shape variable or expression, or an integer attribute (a
+            # collective's tag), passed as a scalar
             return {"int": expr(e)}
         if isinstance(e, relax.Tuple):
             return {"tuple": [ref(f) for f in e.fields]}
@@ -93,15 +98,22 @@ def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[st
         for b in block.bindings:
             name = f"v{len(bindings)}"
             value = b.value
+            out_ty = b.var.ty
+            outs = [spec(t) for t in out_ty.fields] if isinstance(out_ty, relax.TupleType) else None
             if isinstance(value, relax.Call) and value.op.same_as(call_tir):
                 func = value.args[0].name_hint
                 used.add(func)
-                out_ty = b.var.ty
-                outs = [spec(t) for t in out_ty.fields] if isinstance(out_ty, relax.TupleType) else [spec(out_ty)]
                 scalars = [expr(v) for v in value.args[2].values] if len(value.args) > 2 else []
-                bindings.append({"op": "call", "out": name, "func": func, "scalars": scalars, "results": outs,
-                                 "args": [ref(a) for a in value.args[1].fields],
-                                 "tuple": isinstance(out_ty, relax.TupleType)})
+                bindings.append({"op": "call", "out": name, "func": func, "scalars": scalars,
+                                 "results": outs or [spec(out_ty)], "args": [ref(a) for a in value.args[1].fields],
+                                 "tuple": outs is not None})
+            elif (isinstance(value, relax.Call) and value.op.same_as(call_dps)
+                  and isinstance(value.args[0], relax.ExternFunc)):
+                symbol = str(value.args[0].global_symbol)
+                if symbol not in extern_by_design():
+                    raise ExportError(f"main calls the host function {symbol}, which no executor provides")
+                bindings.append({"op": "extern", "out": name, "symbol": symbol, "results": outs or [spec(out_ty)],
+                                 "args": [ref(a) for a in value.args[1].fields], "tuple": outs is not None})
             elif isinstance(value, relax.TupleGetItem):
                 bindings.append({"op": "item", "out": name, "of": ref(value.tuple_value), "index": int(value.index)})
             else:

@@ -33,13 +33,63 @@ def open_driver(target: str, device: int | None = None, profile: bool = False):
     raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
 
 
+class DeviceProgram:
+    """A launch plan on its device: the driver opened, every kernel built once, the constants and the weights (the
+    `names` of `weights`, in the plan's order) uploaded once. What a GPU artifact (ExecutorBackend) and a GPU rank of
+    a sharded one (runtime/worker.py) run; `externs` serves the plan's host functions (a rank's collectives)."""
+
+    def __init__(self, plan_file: Path, constants_file: Path, weights: Path, names: list[str], target: str,
+                 device: int | None = None, profile: bool = False, externs: dict | None = None) -> None:
+        from safetensors.numpy import load_file
+
+        from k3compile.executors.plan import Program
+        from k3compile.library import read_tensors
+
+        self.driver = open_driver(target, device, profile)
+        try:
+            plan = json.loads(Path(plan_file).read_text())
+            constants = load_file(str(constants_file)) if Path(constants_file).is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{plan_file}: the launch plan cannot be read ({e})") from None
+        main = plan.get("main") if isinstance(plan, dict) else None
+        if not isinstance(main, dict) or main.get("weights") != names:  # what the plan was built to take
+            raise ExportError(f"{plan_file.parent}: its manifest's params are not the weights its launch plan was "
+                              "built for (the manifest was edited, or the plan is another build's); compile again")
+        try:
+            self.program = Program(plan, constants, self.driver, externs)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise ExportError(f"{plan_file}: malformed ({type(e).__name__}: {e}); compile again") from None
+        # one tensor in host memory at a time, read straight from the file (no memory map: docs/toolchain.md,
+        # "Benchmarks"), uploaded, dropped; every entry checked against the header before it is read
+        self.weights = [self.program.upload(t) for t in read_tensors(weights, names)]
+        self.driver.sync()
+
+    def run(self, inputs: list) -> list:
+        """main on the graph inputs (host tensors are uploaded, device tensors passed as they are) and the weights:
+        its results, in device memory."""
+        from k3compile.executors.plan import DeviceTensor
+
+        args = [x if isinstance(x, DeviceTensor) else self.program.upload(np.asarray(x)) for x in inputs]
+        try:
+            return self.program.run([*args, *self.weights])
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:  # a plan edited and rehashed
+            raise ExportError(f"the launch plan is malformed ({type(e).__name__}: {e}); compile again") from None
+
+    def host(self, t) -> torch.Tensor:
+        """A device tensor's whole content, in host memory (a host tensor as it is)."""
+        return t if isinstance(t, torch.Tensor) else torch.from_numpy(self.program.download(t).reshape(t.shape))
+
+    def last_positions(self, logits) -> torch.Tensor:
+        """[b, 1, v]: each row's logits at its last position, all that crosses back for a decode step."""
+        b, t, v = logits.shape
+        last = np.stack([self.program.download(logits, (r * t + t - 1) * v, v) for r in range(b)])
+        return torch.from_numpy(last).reshape(b, 1, v)
+
+
 class ExecutorBackend:
     def __init__(self, folder: str | Path, device: int | None = None, host: bool = False,
                  profile: bool = False) -> None:
-        from safetensors.numpy import load_file
-
         from k3compile.config import read_config
-        from k3compile.executors.plan import Program
         from k3compile.manifest import CONSTANTS, LAUNCH_PLAN, WEIGHTS, read_manifest
 
         folder = Path(folder)
@@ -51,27 +101,9 @@ class ExecutorBackend:
                               "it again")
         self.config = read_config(folder / "config.json")
         self.name, self.host = target, host
-        self.driver = open_driver(target, device, profile)
-        try:
-            plan = json.loads((folder / LAUNCH_PLAN).read_text())
-            constants = load_file(str(folder / CONSTANTS)) if (folder / CONSTANTS).is_file() else {}
-        except (OSError, ValueError) as e:
-            raise ExportError(f"{folder}: its launch plan cannot be read ({e})") from None
-        names = self.manifest["params"]
-        main = plan.get("main") if isinstance(plan, dict) else None
-        if not isinstance(main, dict) or main.get("weights") != names:  # what the plan was built to take
-            raise ExportError(f"{folder}: its manifest's params are not the weights its launch plan was built for "
-                              "(the manifest was edited, or the plan is another build's); compile again")
-        try:
-            self.program = Program(plan, constants, self.driver)
-        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
-            raise ExportError(f"{folder / LAUNCH_PLAN}: malformed ({type(e).__name__}: {e}); compile again") from None
-        from k3compile.library import read_tensors
-
-        # one tensor in host memory at a time, read straight from the file (no memory map: docs/toolchain.md,
-        # "Benchmarks"), uploaded, dropped; every entry checked against the header before it is read
-        self._weights = [self.program.upload(t) for t in read_tensors(folder / WEIGHTS, names)]
-        self.driver.sync()
+        self.device = DeviceProgram(folder / LAUNCH_PLAN, folder / CONSTANTS, folder / WEIGHTS,
+                                    self.manifest["params"], target, device, profile)
+        self.driver, self.program = self.device.driver, self.device.program
         self.load_s = time.perf_counter() - t0
 
     def describe(self) -> str:
@@ -86,16 +118,9 @@ class ExecutorBackend:
         check_step(self.config, input_ids, attention_mask, past)
         ids = np.asarray(input_ids, dtype=np.int64)
         mask = np.asarray(attention_mask, dtype=np.int64)
-        state = [t if not isinstance(t, torch.Tensor) else self.program.upload(t.numpy()) for pair in past
-                 for t in pair]
-        try:
-            outs = self.program.run([self.program.upload(ids), self.program.upload(mask), *state, *self._weights])
-        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:  # a plan edited and rehashed
-            raise ExportError(f"the launch plan is malformed ({type(e).__name__}: {e}); compile again") from None
-        logits, present = outs[0], outs[1:]
-        b, t, v = logits.shape
+        state = [t.numpy() if isinstance(t, torch.Tensor) else t for pair in past for t in pair]
+        outs = self.device.run([ids, mask, *state])
         if self.host:
-            host = [torch.from_numpy(self.program.download(x).reshape(x.shape)) for x in outs]
+            host = [self.device.host(x) for x in outs]
             return host[0], unflatten(host[1:])
-        last = np.stack([self.program.download(logits, (r * t + t - 1) * v, v) for r in range(b)])
-        return torch.from_numpy(last).reshape(b, 1, v), unflatten(present)
+        return self.device.last_positions(outs[0]), unflatten(outs[1:])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 
 from k3compile.cli.common import SEED, FiniteFloat, IntRange, dumps, parse_ids, table_console, user_errors
@@ -39,14 +42,21 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
     --nnodes, --node-rank and --rendezvous (README)."""
     from k3compile.runtime.launch import run
-    from k3compile.runtime.rendezvous import Rendezvous
+    from k3compile.runtime.rendezvous import Rendezvous, RendezvousError
     from k3compile.runtime.worker import Options
 
     prompts = [parse_ids(p) for p in prompt_ids]
     with user_errors():
         rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
-        res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
-                                  progress=not quiet and not as_json), rdzv)
+        try:
+            res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
+                                      progress=not quiet and not as_json), rdzv)
+        except RendezvousError as e:
+            if not e.stuck_thread:
+                raise
+            click.echo(f"Error: {e}", err=True)  # a store client still waits in a thread: leave without unwinding it
+            sys.stderr.flush()
+            os._exit(1)
     if res is None:  # another node's share: node 0 prints the result
         if not quiet:
             click.echo(f"node {node_rank}: its ranks decoded; node 0 has the result", err=True)

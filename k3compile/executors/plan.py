@@ -4,9 +4,14 @@ whose device kernels are launched with their buffers, scalars and extents evalua
 
 A driver (executors/opencl.py, executors/webgpu.py) gives `prepare(kernels)` (build every kernel once, at load),
 `alloc(nbytes)`, `upload(array)`, `download(handle, nbytes, offset)`, `launch(name, launch, handles, scalars, grid,
-block)` and `sync()`. Tensors stay on the device between calls and between steps (`DeviceTensor`: a handle, a shape
-and a dtype); an intermediate is returned to a pool, by byte size, after its last use, so the steps of one shape
-reuse their buffers.
+block)`, `write(handle, array)` and `sync()`. Tensors stay on the device between calls and between steps
+(`DeviceTensor`: a handle, a shape and a dtype); an intermediate is returned to a pool, by byte size, after its last
+use, so the steps of one shape reuse their buffers.
+
+An `extern` binding (a collective of a sharded rank's graph) is the one place data crosses to the host inside a
+call: its tensor arguments are downloaded, the host function the caller gave for its symbol (`externs`) fills its
+results in host memory in TVM's destination-passing order (arguments, then results), and those are written into
+device buffers from the pool.
 """
 
 from __future__ import annotations
@@ -75,8 +80,9 @@ def evaluate(e, env: dict[str, int]) -> int:
 class Program:
     """A launch plan loaded on a driver: its kernels built, its constants uploaded (weights are the caller's)."""
 
-    def __init__(self, plan: dict, constants: dict[str, np.ndarray], driver) -> None:
+    def __init__(self, plan: dict, constants: dict[str, np.ndarray], driver, externs: dict | None = None) -> None:
         self.plan, self.driver = plan, driver
+        self.externs = externs or {}
         main = plan["main"]
         self.params, self.bindings = main["params"], main["bindings"]
         self.num_input = main["num_input"]
@@ -129,11 +135,13 @@ class Program:
         owned: set[int] = set()  # the tensors this call allocated (by id), pooled when no live name refers to them
         refs: dict[int, set[str]] = {}
         for i, b in enumerate(self.bindings):
-            if b["op"] == "call":
+            if b["op"] in ("call", "extern"):
                 ins = [self._value(a, values) for a in b["args"]]
                 outs = [self.empty(tuple(evaluate(d, env) for d in r["shape"]), r["dtype"]) for r in b["results"]]
-                scalars = [evaluate(s, env) for s in b["scalars"]]
-                self._call(b["func"], [*ins, *outs], scalars)
+                if b["op"] == "call":
+                    self._call(b["func"], [*ins, *outs], [evaluate(s, env) for s in b["scalars"]])
+                else:
+                    self._extern(b["symbol"], ins, outs)
                 values[b["out"]] = outs if b["tuple"] else outs[0]
                 owned.update(id(t) for t in outs)
             elif b["op"] == "item":
@@ -164,6 +172,17 @@ class Program:
         if "int" in ref:
             return evaluate(ref["int"], values["env"])
         raise PlanError(f"a value {str(ref)[:80]} is malformed")
+
+    def _extern(self, symbol: str, ins: list, outs: list[DeviceTensor]) -> None:
+        """The host function `symbol` on ins (tensors downloaded, integers as they are), filling outs."""
+        if symbol not in self.externs:
+            raise PlanError(f"the launch plan calls the host function {symbol}, which this run does not provide (a "
+                            "sharded rank's collective: run it with `k3compile run`)")
+        host = [self.download(a).reshape(a.shape) if isinstance(a, DeviceTensor) else a for a in ins]
+        results = [np.empty(t.shape, t.dtype) for t in outs]
+        self.externs[symbol](*host, *results)
+        for t, r in zip(outs, results):
+            self.driver.write(t.handle, r)
 
     def _call(self, name: str, args: list, scalars: list[int]) -> None:
         """PrimFunc `name` on its arguments in its parameters' order: main's values (tensors, or integers for its

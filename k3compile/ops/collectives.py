@@ -13,7 +13,9 @@ How they run:
   graph runs anywhere for inspection, and onnxruntime runs its ONNX (the function bodies are `Identity`);
 - in a worker of `k3compile run` (runtime/worker.py): `set_collective` installs torch.distributed calls over the
   group, which the eager ops and the compiled graph's extern calls both reach; TVM's output is filled in place
-  through DLPack (no copy besides the one into the output that all-reduce needs).
+  through DLPack (no copy besides the one into the output that all-reduce needs). A GPU rank's launch plan calls
+  them as host functions (`host_functions`): the executor downloads x and uploads what they fill
+  (executors/plan.py).
 
 `tag` (the decoder layer) and `part` let the runtime check each call against its step schedule and count its bytes.
 """
@@ -134,6 +136,14 @@ def _tvm_all_reduce(x, tag, out) -> None:
 
 def _tvm_all_to_all(x, tag, part, out) -> None:
     _run("all_to_all", torch.from_dlpack(x), torch.from_dlpack(out), tag, part)
+
+
+def host_functions() -> dict:
+    """symbol -> the collective on host arrays (x, tag[, part], out), as a GPU rank's launch plan calls it."""
+    def wrap(fn):
+        return lambda *a: fn(*(torch.from_numpy(x) if hasattr(x, "__array_interface__") else x for x in a))
+
+    return {SYMBOLS[ALL_REDUCE]: wrap(_tvm_all_reduce), SYMBOLS[ALL_TO_ALL]: wrap(_tvm_all_to_all)}
 
 
 ALL_REDUCE_SPEC = OpSpec(

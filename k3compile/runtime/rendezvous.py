@@ -9,7 +9,10 @@ read from the store or from a peer is ever unpickled (torch's elastic agent does
 which is why k3compile does not use it), and the results the ranks exchange at the end are JSON.
 
 A TCPStore client that connects to a listener which never answers waits forever, whatever its timeout; `join`
-therefore waits for it in a helper thread and gives up after the run's timeout with one line.
+therefore waits for it in a helper thread and gives up a little after the run's timeout with one line. That thread
+is still inside torch's C++ code then, and must never return into an interpreter that is shutting down (CPython
+unwinds such a thread through C++ frames, which aborts the process): a caller that gets a RendezvousError with
+`stuck_thread` set leaves with os._exit (the CLI does).
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ LOOPBACK = "127.0.0.1"
 
 
 class RendezvousError(UserError):
-    """The ranks cannot meet: a malformed or unusable address, a port in use, nobody answering."""
+    """The ranks cannot meet: a malformed or unusable address, a port in use, nobody answering. `stuck_thread`: a
+    store client is still waiting in a helper thread (the process must end with os._exit, module docstring)."""
+
+    stuck_thread = False
+
+
+# How long past the run's timeout `join` waits for the store client's own timeout to fire: the client raises at
+# `timeout`, and a helper thread joined at exactly `timeout` loses that race now and then.
+JOIN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -125,12 +136,14 @@ def join(rdzv: Rendezvous, timeout: float):
 
     t = threading.Thread(target=connect, daemon=True, name="k3compile-rendezvous")
     t.start()
-    t.join(timeout)
+    t.join(timeout + JOIN_GRACE_S)
     if "store" in out:
         return out["store"]
     why = (str(out["error"]).strip().splitlines() or ["refused"])[0][:200] if "error" in out else \
         f"nothing answered as a k3compile run's rendezvous within {timeout:g} s"
-    raise RendezvousError(f"cannot join the run at {rdzv}: {why} (is node 0's `k3compile run` started there?)")
+    err = RendezvousError(f"cannot join the run at {rdzv}: {why} (is node 0's `k3compile run` started there?)")
+    err.stuck_thread = t.is_alive()
+    raise err
 
 
 def interface_of(rdzv: Rendezvous) -> str:

@@ -4,7 +4,7 @@ A worker is one process of a torch.distributed world (gloo on CPU), started by `
 (runtime/launch.py) on its machine, with its rank in the environment and its options in the launcher's private run
 folder (JSON). It joins the run's store (runtime/rendezvous.py), checks its own files against the manifest
 (manifest.read_sharded), loads its library and weight shard into the Relax VM, and runs its step schedule for
-every token:
+every token (a GPU target's rank runs its launch plan on its device instead: backends/executor.py):
 
     recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
     latent partial sums, or all-to-all dispatch and combine, over its expert-parallel group: ops/collectives.py)
@@ -93,6 +93,17 @@ class Rank:
         self._load(folder)
 
     def _load(self, folder: Path) -> None:
+        """The rank's graph in TVM's VM (llvm), or its launch plan on its device's executor (a GPU target: the
+        collectives are the plan's host functions, backends/executor.py)."""
+        names, weights = self.entry["params"], folder / self.entry["weights"]
+        self.program = None
+        if "launch_plan" in self.entry:
+            from k3compile.backends.executor import DeviceProgram
+            from k3compile.ops.collectives import host_functions
+
+            self.program = DeviceProgram(folder / self.entry["launch_plan"], folder / self.entry["constants"],
+                                         weights, names, self.doc["target"], externs=host_functions())
+            return
         import tvm
         from tvm import relax
 
@@ -100,10 +111,25 @@ class Rank:
         from k3compile.ops import register_tvm_references
 
         register_tvm_references()  # the collectives' symbols, which the rank's graph calls
-        self.device = tvm.cpu()
-        names, weights = self.entry["params"], folder / self.entry["weights"]
-        self.vm = relax.VirtualMachine(library.load(folder / self.entry["library"], names, weights), self.device)
-        self.params = library.read_weights(weights, names, self.device)
+        self.vm = relax.VirtualMachine(library.load(folder / self.entry["library"], names, weights), tvm.cpu())
+        self.params = library.read_weights(weights, names, tvm.cpu())
+
+    def run_graph(self, feeds: list, head: int) -> list:
+        """The rank's graph on feeds: its first `head` results (the logits, or the carry) in host memory (of the
+        logits, only each row's last position), the rest (the decode state) where the graph keeps it."""
+        import torch
+
+        if self.program is None:
+            outs = self.vm["main"](*(_tvm(x) for x in feeds), *self.params)
+            return [torch.from_dlpack(o) for o in outs]
+        outs = self.program.run(feeds)
+        heads = [self.program.last_positions(outs[0])] if self.p.last else [self.program.host(o) for o in
+                                                                               outs[:head]]
+        return [*heads, *outs[head:]]
+
+    def host(self, t):
+        """A decode state tensor in host memory."""
+        return t if self.program is None else self.program.host(t)
 
     # ---- the collectives, each checked against the schedule and counted -------------------------------------------
     def expect_collectives(self) -> None:
@@ -180,11 +206,10 @@ class Rank:
         if self.plan.mesh.ep > 1:
             feeds.append(torch.tensor(self.p.experts[0], dtype=torch.int64))
         self.expect_collectives()
-        outs = self.vm["main"](*(_tvm(x) for x in feeds), *self.params)
-        outs = [torch.from_dlpack(o) for o in outs]
+        head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
+        outs = self.run_graph(feeds, head)
         if self._calls:
             raise RuntimeFault(f"rank {self.p.rank}: the library skipped collectives of its schedule {self._calls}")
-        head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
         sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s in self.schedule:
@@ -275,7 +300,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
             names = [n for n in me.entry["inputs"] if n.startswith("past.")]
             np.savez(Path(options.states_dir) / f"states.rank{rank}.npz",
-                     **{n: t.numpy() for n, t in zip(names, past)})
+                     **{n: me.host(t).numpy() for n, t in zip(names, past)})
         result = {"rank": rank, "replica": p.replica, "rows": [first, end], "own_rows": [own_lo, own_hi],
                   "padded_rows": padded, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
                   "decode_s": decoded.decode_s, "decode_steps": decoded.decode_steps,

@@ -3,7 +3,8 @@ decode states against eager and against the single-process TVM build, the runtim
 against the accounting rule written out here, two nodes, a killed worker, damaged artifacts, and the network: what
 listens, and an attacker writing pickles into the run's store and sockets.
 
-The nine sharded artifacts (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time.
+The six sharded artifacts for llvm (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time;
+one for OpenCL (opencl_sharded) after them.
 """
 
 from __future__ import annotations
@@ -132,12 +133,46 @@ def accounted(cfg, plan, rank: int, rows: int) -> dict:
 
 @pytest.mark.parametrize("model,mesh,dispatch", CASES)
 def test_distributed_decode_equals_eager_and_one_process(model, mesh, dispatch, sharded, references, tmp_path):
+    check_decode(sharded[(model, mesh, dispatch)], dispatch, *references[model], tmp_path)
+
+
+@pytest.fixture(scope="session")
+def opencl_sharded(tmp_path_factory):
+    """`k3compile export k3-tiny --mesh ep=2 --target opencl` (skips where no OpenCL device is)."""
+    from k3compile.executors.opencl import DeviceError, devices
+
+    try:
+        devices()
+    except DeviceError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("sharded-opencl") / "k3-tiny-ep2"
+    res = cli("export", "k3-tiny", "--mesh", "ep=2", "--target", "opencl", "-o", str(out), "--quiet")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+def test_opencl_ranks_decode_the_tokens_of_eager(opencl_sharded, references, tmp_path):
+    """GPU ranks: each rank's launch plan on the OpenCL device, its all-reduces staged through host memory over
+    gloo. Tokens equal eager, states those of the single-process build, bytes measured = plan = the rule."""
+    import json
+
+    doc = json.loads((opencl_sharded / "manifest.json").read_text())
+    assert doc["target"] == "opencl"
+    for r in doc["ranks"]:  # the all-reduces are the plan's host calls, one per MoE layer
+        plan = json.loads((opencl_sharded / r["launch_plan"]).read_text())
+        assert [b["symbol"] for b in plan["main"]["bindings"] if b["op"] == "extern"] == \
+            ["k3.all_reduce"] * sum(c["op"] == "all_reduce" for s in r["schedule"] if s["op"] == "run"
+                                    for c in s["collectives"])
+    check_decode(opencl_sharded, "all-reduce", *references["k3-tiny"], tmp_path)
+
+
+def check_decode(folder, dispatch, eager, tvm, tmp_path):
+    """`run` FOLDER on PROMPTS: greedy tokens equal eager's (and the single-process TVM build's), every rank's final
+    decode state within STATE_ATOL of the single-process one, every rank's bytes per step = the plan's = `accounted`."""
     from k3compile.manifest import read_sharded
 
-    eager, tvm = references[model]
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
     assert generate(tvm, PROMPTS, NEW, eos_token_id=tvm.config.eos_token_id).tokens == want
-    folder = sharded[(model, mesh, dispatch)]
     res = run(folder, Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path)))
     assert res["tokens"] == want
     assert sum(len(t) for t in want) > 3 * 8  # enough decode steps to mean something
@@ -422,6 +457,7 @@ def test_export_refuses_a_mesh_the_model_cannot_be_split_over(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
-def test_gpu_targets_are_refused_for_a_mesh(tmp_path):
-    res = cli("export", "k3-tiny", "--mesh", "ep=2", "--target", "opencl", "-o", str(tmp_path / "out"))
-    assert res.returncode == 1 and "gloo on CPU" in res.stderr and not (tmp_path / "out").exists()
+def test_a_gpu_target_without_an_executor_is_refused_for_a_mesh(tmp_path):
+    res = cli("export", "k3-tiny", "--mesh", "ep=2", "--target", "webgpu", "-o", str(tmp_path / "out"))
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr
+    assert "no executor runs its ranks here" in res.stderr and not (tmp_path / "out").exists()
