@@ -81,12 +81,12 @@ class OpenCLDriver:
 
     def alloc(self, nbytes: int):
         if nbytes > self.max_alloc:
-            raise DeviceError(f"a buffer of {nbytes / 2**20:.0f} MiB is over this OpenCL device's "
-                              f"{self.max_alloc / 2**20:.0f} MiB per allocation")
+            raise DeviceError(f"a buffer of {_size(nbytes)} is over this OpenCL device's {_size(self.max_alloc)} "
+                              "per allocation")
         try:
             return self.cl.Buffer(self.ctx, self.cl.mem_flags.READ_WRITE, nbytes)
         except self.cl.Error as e:
-            raise DeviceError(f"OpenCL: cannot allocate {nbytes / 2**20:.1f} MiB ({e})") from None
+            raise DeviceError(f"OpenCL: cannot allocate {_size(nbytes)} ({e})") from None
 
     def upload(self, array: np.ndarray):
         raw = padded(array)
@@ -127,6 +127,11 @@ class OpenCLDriver:
 
     def sync(self) -> None:
         self.queue.finish()
+
+
+def _size(nbytes: int) -> str:
+    return next(f"{nbytes / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
+                if nbytes >= 2**k or k == 0)
 
 
 def padded(array: np.ndarray) -> np.ndarray:

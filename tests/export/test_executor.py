@@ -102,3 +102,32 @@ def test_users_helper_runs_a_gpu_artifact_on_its_device(opencl_artifact):
     assert open_backend(opencl_artifact).name == "opencl"
     rows = assert_matches_eager(opencl_artifact, prompts=PROMPTS, atol=ATOL, decode_steps=1, new_tokens=4)
     assert len(rows) == 2 * (1 + 2 * 7)  # 2 phases x (logits + two states per layer)
+
+
+def test_a_weight_over_the_devices_limit_or_a_full_device_is_one_line(opencl_artifact, monkeypatch):
+    """A device whose per-allocation limit is below the largest weight (PoCL's is GBs: the limit it reports is set
+    low after it opens), and one whose allocations fail (pyopencl's MemoryError, as a full device raises it): one
+    line each, naming the limit or the allocation; nothing is written into the artifact."""
+    import pyopencl as cl
+
+    from k3compile.executors import opencl
+
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in opencl_artifact.iterdir())
+    real_init = opencl.OpenCLDriver.__init__
+
+    def small(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self.max_alloc = 4096
+
+    monkeypatch.setattr(opencl.OpenCLDriver, "__init__", small)
+    one_line_error(run("generate", opencl_artifact), "over this OpenCL device's 4.0 KiB per allocation")
+    monkeypatch.setattr(opencl.OpenCLDriver, "__init__", real_init)
+
+    def full(*a, **kw):
+        raise cl.MemoryError("clCreateBuffer", cl.status_code.MEM_OBJECT_ALLOCATION_FAILURE, "out of device memory")
+
+    monkeypatch.setattr(cl, "Buffer", full)
+    one_line_error(run("generate", opencl_artifact), "OpenCL: cannot allocate")
+    monkeypatch.setenv("K3COMPILE_OPENCL_DEVICE", "x1")
+    one_line_error(run("generate", opencl_artifact), "expected a device index")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in opencl_artifact.iterdir()) == before

@@ -163,7 +163,15 @@ def test_opencl_ranks_decode_the_tokens_of_eager(opencl_sharded, references, tmp
         assert [b["symbol"] for b in plan["main"]["bindings"] if b["op"] == "extern"] == \
             ["k3.all_reduce"] * sum(c["op"] == "all_reduce" for s in r["schedule"] if s["op"] == "run"
                                     for c in s["collectives"])
-    check_decode(opencl_sharded, "all-reduce", *references["k3-tiny"], tmp_path)
+    check_decode(opencl_sharded, "all-reduce", *references["k3-tiny"], tmp_path / "states")
+    copy = tmp_path / "edited"  # a rank's launch plan is covered by the manifest's sha256s
+    shutil.copytree(opencl_sharded, copy)
+    plan = json.loads((copy / "rank1" / "launch.json").read_text())
+    plan["main"]["bindings"] = [b for b in plan["main"]["bindings"] if b["op"] != "extern"]  # its all-reduces gone
+    (copy / "rank1" / "launch.json").write_text(json.dumps(plan))
+    res = cli("run", str(copy), "--prompt-ids", "1,2", "--max-new-tokens", "2", timeout=120)
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr[-2000:]
+    assert "rank1/launch.json: its sha256 differs" in res.stderr, res.stderr
 
 
 def check_decode(folder, dispatch, eager, tvm, tmp_path):
@@ -173,6 +181,7 @@ def check_decode(folder, dispatch, eager, tvm, tmp_path):
 
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
     assert generate(tvm, PROMPTS, NEW, eos_token_id=tvm.config.eos_token_id).tokens == want
+    tmp_path.mkdir(exist_ok=True)
     res = run(folder, Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path)))
     assert res["tokens"] == want
     assert sum(len(t) for t in want) > 3 * 8  # enough decode steps to mean something
