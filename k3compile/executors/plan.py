@@ -2,9 +2,9 @@
 whose device kernels are launched with their buffers, scalars and extents evaluated from the shapes at hand
 (docs/architecture.md, "GPU artifacts and their executors"). No TVM: a plan is JSON, its kernels are source text.
 
-A driver (executors/opencl.py, executors/webgpu.py) gives `prepare(kernels)` (build every kernel once, at load),
-`alloc(nbytes)`, `upload(array)`, `download(handle, nbytes, offset)`, `launch(name, launch, handles, scalars, grid,
-block)`, `write(handle, array)` and `sync()`. Tensors stay on the device between calls and between steps
+A driver (executors/opencl.py; a WebGPU one would give the same) gives `prepare(kernels)` (build every kernel once,
+at load), `alloc(nbytes)`, `upload(array)`, `download(handle, nbytes, offset)`, `launch(name, launch, handles,
+scalars, grid, block)`, `write(handle, array)` and `sync()`. Tensors stay on the device between calls and between steps
 (`DeviceTensor`: a handle, a shape and a dtype); an intermediate is returned to a pool, by byte size, after its last
 use, so the steps of one shape reuse their buffers.
 
