@@ -238,13 +238,11 @@ def _split_transform(mod, tgt, dump=None):
     return mod, tvm.compile(transform, target="llvm")
 
 
-def gpu_weight_transform(proto, target: str):
-    """The compiled weight transform of a k3 ONNX graph's GPU build, without building it: what a sharded rank whose
-    graph another rank built runs on its own tensors (k3compile/partition.py)."""
-    from k3compile.frontend import to_relax
+def gpu_weight_transform(mod, target: str):
+    """The compiled weight transform of an imported k3 graph's GPU build (`frontend.to_relax`'s module), without
+    building it: what a sharded rank whose graph another rank built runs on its own tensors (k3compile/partition.py)."""
     from k3compile.targets import resolve
 
-    mod, _, _ = to_relax(proto, keep_params=True)
     return _split_transform(mod, resolve(target))[1]
 
 

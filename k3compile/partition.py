@@ -325,10 +325,10 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                 step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
                 for name in built_files:
                     shutil.copyfile(w.path / rank_dir(built_by) / name, folder / name)
+                mod, _, raw = to_relax(proto, keep_params=True)
                 if loaded is None:  # a GPU build: its weight transform compiled once, for the ranks that copy it
-                    loaded = gpu_weight_transform(proto, target)
+                    loaded = gpu_weight_transform(mod, target)
                     builds[key] = (built_by, loaded, names)
-                _, _, raw = to_relax(proto, keep_params=True)
                 weights = library.transform_weights(loaded, raw)
             else:
                 mod, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(

@@ -72,6 +72,9 @@ def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[st
     def spec(ty) -> dict:
         return {"dtype": str(ty.dtype), "shape": [expr(d) for d in ty.shape]}
 
+    def results(ty) -> list[dict]:  # what a call returns: one tensor, or a tuple's fields
+        return [spec(t) for t in ty.fields] if isinstance(ty, relax.TupleType) else [spec(ty)]
+
     def ref(e):
         """A value main passes: a variable, a constant (saved), a tuple of them, or an integer (a shape value)."""
         if isinstance(e, relax.Var) and e.__chandle__() in ids:
@@ -99,21 +102,21 @@ def launch_plan(mod, target, lowered: dict | None = None) -> tuple[dict, dict[st
             name = f"v{len(bindings)}"
             value = b.value
             out_ty = b.var.ty
-            outs = [spec(t) for t in out_ty.fields] if isinstance(out_ty, relax.TupleType) else None
+            is_tuple = isinstance(out_ty, relax.TupleType)
             if isinstance(value, relax.Call) and value.op.same_as(call_tir):
                 func = value.args[0].name_hint
                 used.add(func)
                 scalars = [expr(v) for v in value.args[2].values] if len(value.args) > 2 else []
                 bindings.append({"op": "call", "out": name, "func": func, "scalars": scalars,
-                                 "results": outs or [spec(out_ty)], "args": [ref(a) for a in value.args[1].fields],
-                                 "tuple": outs is not None})
+                                 "results": results(out_ty), "args": [ref(a) for a in value.args[1].fields],
+                                 "tuple": is_tuple})
             elif (isinstance(value, relax.Call) and value.op.same_as(call_dps)
                   and isinstance(value.args[0], relax.ExternFunc)):
                 symbol = str(value.args[0].global_symbol)
                 if symbol not in extern_by_design():
                     raise ExportError(f"main calls the host function {symbol}, which no executor provides")
-                bindings.append({"op": "extern", "out": name, "symbol": symbol, "results": outs or [spec(out_ty)],
-                                 "args": [ref(a) for a in value.args[1].fields], "tuple": outs is not None})
+                bindings.append({"op": "extern", "out": name, "symbol": symbol, "results": results(out_ty),
+                                 "args": [ref(a) for a in value.args[1].fields], "tuple": is_tuple})
             elif isinstance(value, relax.TupleGetItem):
                 bindings.append({"op": "item", "out": name, "of": ref(value.tuple_value), "index": int(value.index)})
             else:
