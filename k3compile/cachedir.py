@@ -59,7 +59,7 @@ def root() -> Path:
         if path.exists() and not path.is_dir():
             raise CacheError(f"the build cache {where} is not a folder; point {ENV} at a folder of its own")
         if not path.exists():
-            path.mkdir(parents=True, mode=0o700)
+            path.mkdir(parents=True, mode=0o700, exist_ok=True)  # two first runs may both find it missing
         st = path.stat()
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise CacheError(f"the build cache {where} belongs to another user; point {ENV} at a folder of your own")

@@ -264,6 +264,23 @@ def test_two_first_builds_of_one_entry_take_turns(private_cache):
     assert errors == [] and builds == [1]
 
 
+def test_a_cache_folder_made_by_another_run_meanwhile_is_used(private_cache, monkeypatch):
+    """Two first runs both find the cache folder missing; the second's mkdir then meets the first's folder. It used
+    to fail that run ("cannot be used (File exists)", CI of f74c604): here the folder appears between the check and
+    the mkdir, deterministically."""
+    real_exists = Path.exists
+
+    def exists_but_made_meanwhile(path, *args, **kwargs):
+        if path == private_cache:  # this run saw it missing; the other run makes it meanwhile
+            if not real_exists(path):
+                path.mkdir(parents=True, mode=0o700)
+            return False
+        return real_exists(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", exists_but_made_meanwhile)
+    assert cachedir.root() == private_cache and private_cache.is_dir()
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edit=st.sampled_from(["byte", "append", "truncate", "remove", "add", "tag"]), where=st.integers(0, 10**6),
        value=st.binary(min_size=1, max_size=8))
