@@ -34,6 +34,13 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _allowed_cores() -> list[str]:
+    try:
+        return [str(c) for c in sorted(os.sched_getaffinity(0))]  # config_threadpool takes them as strings
+    except AttributeError:  # pragma: no cover - not Linux
+        return [str(c) for c in range(os.cpu_count() or 1)]
+
+
 def default_threads(cfg: K3Config) -> int:
     return 1 if cfg.hidden_size < SPLIT_HIDDEN else available_cores()
 
@@ -56,6 +63,9 @@ def use_threads(n: int) -> int:
     if "tvm" in sys.modules:
         import tvm
 
-        tvm.get_global_func("runtime.config_threadpool")(-1, n)  # -1: no core affinity change
+        # Mode -3 (every thread shares the given cores), given every core this process may run on: modes 1 / -1
+        # ("big" / "little" cores) pin the calling thread to one core, and every process it then starts (a build,
+        # `run`'s ranks) inherited that core: in the test suite two ranks shared one core of two.
+        tvm.get_global_func("runtime.config_threadpool")(-3, n, _allowed_cores())
     return n
 
