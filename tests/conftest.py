@@ -29,9 +29,10 @@ _CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 @pytest.fixture(autouse=True)
 def _all_cores():
-    """Something run in this process pins its main thread to one core (seen in a full run: mask 1 of 2, cause not yet
-    found); every process a later test starts (builds, `run`'s ranks) inherited it and ran two ranks on one core,
-    doubling the suite's time. Each test starts with the session's cores, and the test that pinned is named."""
+    """TVM's config_threadpool in its mode -1 pinned this process's main thread to one core (threads.py now uses
+    mode -3; tests/unit/test_threads.py); every process a later test started (builds, `run`'s ranks) inherited it
+    and two ranks ran on one core, doubling the suite's time. A guard against anything else doing so: each test
+    starts with the session's cores, and a test that pinned is named in a warning."""
     yield
     if _CPUS is not None and os.sched_getaffinity(0) != _CPUS:
         pinned = os.sched_getaffinity(0)
