@@ -210,7 +210,8 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
     mod, transform = _split_transform(mod, tgt, dump)
     step("putting the weights in the target's layout (on this CPU)")
     weights = library.transform_weights(transform, raw)
-    mod = run_phases(mod, tgt, dump_dir=dump, start="legalize-fuse")
+    mod = run_phases(mod, tgt, dump_dir=dump, start="device-legalize")
+    weights = _narrow_weights(mod, weights)
     step(f"checking the kernels against {tgt.name}'s limits")
     _no_extern_calls(mod, tgt)
     gpu.check(mod, tgt)
@@ -221,6 +222,27 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
                 tgt.finish_passes()), tir_pipeline=gpu.tir_pipeline(tgt))
     names = weight_names(mod)
     return mod, executable or None, names, weights
+
+
+def _narrow_weights(mod, weights: list) -> list:
+    """The weights in the dtypes main takes after phase 4 (passes/device_legalize.py: an int64 or a boolean weight main
+    now takes as int32 is cast, its values checked to fit)."""
+    import numpy as np
+    import tvm
+
+    main = mod["main"]
+    out = []
+    for p, w in zip(main.params[int(main.attrs["num_input"]):], weights):
+        want = str(p.ty.dtype)
+        if str(w.dtype) != want:
+            value = w.numpy()
+            info = np.iinfo(want)
+            if value.size and (value.min() < info.min or value.max() > info.max):
+                raise ExportError(f"weight {p.name} holds {value.max()}, which does not fit the {want} the "
+                                  "target takes")
+            w = tvm.runtime.tensor(value.astype(want))
+        out.append(w)
+    return out
 
 
 def _split_transform(mod, tgt, dump=None):

@@ -13,12 +13,11 @@ platform once per process; a platform that cannot load raises DeviceError with t
 from __future__ import annotations
 
 import functools
-import re
-import struct
 
 import numpy as np
 
-from k3compile.executors.opencl import DeviceError, OpenCLDriver, padded  # one error type for every device here
+from k3compile.executors.opencl import DeviceError, OpenCLDriver  # one error type for every device here
+from k3compile.executors.webgpu import WebGPUDriver
 
 DRIVERS = ("opencl", "webgpu")
 
@@ -160,82 +159,34 @@ class OpenCL(OpenCLDriver):
         self.sync()
 
 
-class WebGPU:
-    """wgpu on its default adapter, with the storage-buffer limit TVM's web runtime asks for."""
+class WebGPU(WebGPUDriver):
+    """The executors' WebGPU driver (executors/webgpu.py), launching lowered kernels (targets/gpu.py) one at a time:
+    each kernel's WGSL is generated and its pipeline made on its first launch."""
 
     def __init__(self) -> None:
-        try:
-            import wgpu
-
-            adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-            if adapter is None:
-                raise RuntimeError("no adapter")
-            self.device = adapter.request_device_sync(required_limits={"max-storage-buffers-per-shader-stage": 10})
-        except Exception as e:  # noqa: BLE001 - wgpu or the Vulkan loader: the reason is the message
-            raise DeviceError(f"WebGPU: no adapter ({e}); install a Vulkan driver (Debian: mesa-vulkan-drivers)") \
-                from None
-        self.wgpu = wgpu
-        self.adapter = adapter
-        self._pipelines: dict[str, tuple] = {}
-
-    def describe(self) -> str:
-        info = self.adapter.info
-        return f"{info.get('device', '?')} ({info.get('backend_type', '?')})"
-
-    def upload(self, array: np.ndarray):
-        usage = self.wgpu.BufferUsage
-        return self.device.create_buffer_with_data(data=padded(array).tobytes(),
-                                                   usage=usage.STORAGE | usage.COPY_SRC | usage.COPY_DST)
+        super().__init__(None)
+        self.cache_groups = False  # the runner's buffers live for one kernel call
+        self._built: dict = {}  # pipelines by _key: lowered kernels of one name differ in their code
 
     def download(self, handle, like: np.ndarray) -> np.ndarray:
-        raw = np.frombuffer(bytes(self.device.queue.read_buffer(handle)), np.uint8)
-        return raw[:like.nbytes].view(like.dtype).reshape(like.shape).copy()
+        raw = super().download(handle, like.nbytes)
+        return np.frombuffer(raw, np.uint8).view(like.dtype).reshape(like.shape).copy()
 
-    def pipeline(self, kernel, target):
-        """(pipeline, bindings: buffer parameter -> binding, POD fields, POD binding) of a kernel, made once; the
-        shader module's creation validates the WGSL (an invalid one raises DeviceError naming the kernel)."""
+    def pipeline(self, kernel, target) -> tuple:
+        """(pipeline, Interface, layout) of a lowered kernel, made once; an invalid WGSL raises DeviceError."""
         from k3compile.targets.gpu import kernel_source
 
         key = _key(kernel)
-        if key not in self._pipelines:
-            source = kernel_source(kernel, target.tvm())
-            try:
-                module = self.device.create_shader_module(code=source)
-                pipeline = self.device.create_compute_pipeline(
-                    layout="auto", compute={"module": module, "entry_point": kernel.name})
-            except Exception as e:  # noqa: BLE001 - wgpu's validation error: its message is the reason
-                raise DeviceError(f"WebGPU refused kernel {kernel.name}: {_reason(e)}") from None
-            bindings = {m.group(2): int(m.group(1)) for m in re.finditer(
-                r"@binding\((\d+)\) var<storage, [a-z_]+> (\w+) ", source)}
-            pod = re.search(r"struct PODArgs \{([^}]*)\}", source)
-            fields = re.findall(r"(\w+): (\w+)", pod.group(1)) if pod else []
-            pod_binding = re.search(r"@binding\((\d+)\) var<uniform> podArgs", source)
-            self._pipelines[key] = (pipeline, bindings, fields, int(pod_binding.group(1)) if pod_binding else None)
-        return self._pipelines[key]
+        if key not in self._built:
+            self._built[key] = self.build(kernel.name, kernel_source(kernel, target.tvm()))
+        return self._built[key]
 
     def launch(self, launch, target, handles) -> None:
-        pipeline, bindings, fields, pod_binding = self.pipeline(launch.kernel, target)
-        params = [p for p in launch.kernel.params if p.buffer]
-        entries = [{"binding": bindings[p.name], "resource": {"buffer": h, "offset": 0, "size": h.size}}
-                   for p, h in zip(params, handles) if p.name in bindings]
-        if pod_binding is not None:
-            values = dict(zip((p.name for p in launch.kernel.params if not p.buffer), launch.scalars))
-            values["packGridDimX"] = launch.grid[0] - 1  # the last block index along x (no packing over z here)
-            data = b"".join(struct.pack({"i32": "<i", "u32": "<I", "f32": "<f"}[ty], values[name])
-                            for name, ty in fields)
-            pod = self.device.create_buffer_with_data(data=data.ljust(max(16, -(-len(data) // 16) * 16), b"\0"),
-                                                      usage=self.wgpu.BufferUsage.UNIFORM)
-            entries.append({"binding": pod_binding, "resource": {"buffer": pod, "offset": 0, "size": pod.size}})
-        group = self.device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=entries)
-        encoder = self.device.create_command_encoder()
-        compute = encoder.begin_compute_pass()
-        compute.set_pipeline(pipeline)
-        compute.set_bind_group(0, group)
-        if max(launch.grid) > 65535:
-            raise DeviceError(f"{launch.kernel.name}: a grid of {launch.grid} is over WebGPU's 65535 per dimension")
-        compute.dispatch_workgroups(*launch.grid)
-        compute.end()
-        self.device.queue.submit([encoder.finish()])
+        pipeline, iface, layout = self.pipeline(launch.kernel, target)
+        names = [p.name for p in launch.kernel.params if p.buffer]
+        values = dict(zip((p.name for p in launch.kernel.params if not p.buffer), launch.scalars))
+        self.dispatch(launch.kernel.name, pipeline, iface, layout, names, handles, values, launch.grid)
+        self.flush()
 
 
 def _key(kernel):
@@ -243,11 +194,3 @@ def _key(kernel):
     import tvm_ffi
 
     return kernel.name, tvm_ffi.structural_hash(kernel.func)
-
-
-def _reason(error: Exception) -> str:
-    """wgpu's validation message on one line (its first lines are a generic header)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    useful = [line for line in lines if line not in ("Validation Error", "Caused by:")]
-    errors = [line for line in useful if "error" in line.lower()]
-    return " / ".join((errors or useful)[:4]) or type(error).__name__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from k3compile.passes.device_legalize import device_legalize
 from k3compile.passes.legalize_fuse import legalize_fuse
 from k3compile.passes.lift_weight_transforms import lift_weight_transforms
 from k3compile.passes.lower_k3_calls import lower_k3_calls
@@ -20,8 +21,9 @@ PHASES = (
     ("lower-k3-calls", lower_k3_calls),                   # 1. k3 extern calls -> TIR kernels (target layout)
     ("pack-dense-weights", pack_dense_weights),           # 2. matmul by a weight -> panel-layout matmul
     ("lift-weight-transforms", lift_weight_transforms),   # 3. weight-only work -> main_transform_params
-    ("legalize-fuse", legalize_fuse),                     # 4. standard ops -> TIR, fused
-    ("schedule", schedule),                               # 5. each PrimFunc scheduled for the target
+    ("device-legalize", device_legalize),                 # 4. int64 -> int32, bool as int32, x**2 -> x*x (WGSL)
+    ("legalize-fuse", legalize_fuse),                     # 5. standard ops -> TIR, fused
+    ("schedule", schedule),                               # 6. each PrimFunc scheduled for the target
 )
 PHASE_NAMES = tuple(name for name, _ in PHASES)
 

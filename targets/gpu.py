@@ -27,6 +27,8 @@ class Limits:
     max_binding_bytes: int | None = None  # bytes of one buffer argument (static sizes)
     no_dtypes: tuple[str, ...] = ()      # element types the language lacks
     no_threads: tuple[str, ...] = ()     # thread axes the language lacks
+    no_buffer_dtypes: tuple[str, ...] = ()  # element types the language has as values but cannot store in a buffer
+    pow_of_negative: bool = True         # pow(x, 2) is x * x for x < 0 (WGSL's and Metal's pow: undefined)
     why: dict = field(default_factory=dict)  # dtype / axis -> the reason, for the message
     bitcast: str = ""                    # the language's uint32 -> float bit cast (see exact_constants)
 
@@ -293,8 +295,10 @@ def check(mod, target, lowered: dict[str, Lowered] | None = None) -> dict[str, L
             if limits.max_buffers is not None and len(buffers) > limits.max_buffers:
                 raise ExportError(f"{where} takes {len(buffers)} storage buffers; {limits.language} allows "
                                   f"{limits.max_buffers} per kernel")
-            for dtype in sorted({p.dtype for p in k.params if p.buffer} | k.dtypes):
-                if dtype.split("x")[0] in limits.no_dtypes:
+            stored = {p.dtype for p in k.params if p.buffer}
+            for dtype in sorted(stored | k.dtypes):
+                if dtype.split("x")[0] in limits.no_dtypes or (
+                        dtype in stored and dtype in limits.no_buffer_dtypes):
                     raise ExportError(f"{where} uses {dtype} ({limits.why.get(dtype.split('x')[0], 'unsupported')})")
         if limits.max_binding_bytes is not None and name in shapes:
             for buf in shapes[name].params:  # a PrimFunc parameter is its buffer
@@ -316,8 +320,9 @@ def is_buffer(param) -> bool:
 
 
 def _bytes(dtype) -> int:
-    bits = int(re.search(r"\d+", str(dtype)).group())
-    return max(bits // 8, 1)
+    import numpy as np
+
+    return np.dtype(str(dtype)).itemsize
 
 
 def kernel_source(kernel: DeviceKernel, tvm_target) -> str:

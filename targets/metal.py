@@ -7,7 +7,7 @@ from __future__ import annotations
 from k3compile.targets import Target
 from k3compile.targets.gpu import Limits, schedule_func
 
-LIMITS = Limits("Metal", max_threads=256, max_buffers=31, bitcast="as_type<float>")
+LIMITS = Limits("Metal", max_threads=256, max_buffers=31, bitcast="as_type<float>", pow_of_negative=False)
 
 
 def target() -> Target:

@@ -20,7 +20,7 @@ import torch
 
 from k3compile.interface import ExportError, Past, check_step, init_past, unflatten
 
-DRIVERS = ("opencl",)  # the targets an executor runs here
+DRIVERS = ("opencl", "webgpu")  # the targets an executor runs here
 
 
 def open_driver(target: str, device: int | None = None, profile: bool = False):
@@ -30,6 +30,10 @@ def open_driver(target: str, device: int | None = None, profile: bool = False):
         from k3compile.executors.opencl import OpenCLDriver
 
         return OpenCLDriver(device, profile=profile)
+    if target == "webgpu":
+        from k3compile.executors.webgpu import WebGPUDriver
+
+        return WebGPUDriver(device, profile=profile)
     raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
 
 
@@ -103,6 +107,7 @@ class ExecutorBackend:
         self.name, self.host = target, host
         self.device = DeviceProgram(folder / LAUNCH_PLAN, folder / CONSTANTS, folder / WEIGHTS,
                                     self.manifest["params"], target, device, profile)
+        self.id_dtypes = tuple(p["dtype"] for p in self.program.params[:2])  # input_ids, attention_mask
         self.load_s = time.perf_counter() - t0
 
     @property
@@ -123,8 +128,12 @@ class ExecutorBackend:
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         check_step(self.config, input_ids, attention_mask, past)
-        ids = np.asarray(input_ids, dtype=np.int64)
-        mask = np.asarray(attention_mask, dtype=np.int64)
+        # the ids and the mask in the integer type main takes (int32 where the target has no int64:
+        # passes/legalize_dtypes.py; check_step has bounded both by the vocabulary and 0 / 1)
+        ids = np.asarray(input_ids).astype(self.id_dtypes[0])
+        mask = np.asarray(attention_mask).astype(self.id_dtypes[1])
+        if mask.shape[1] > np.iinfo(mask.dtype).max:
+            raise ExportError(f"a context of {mask.shape[1]} tokens is over what {mask.dtype} positions hold")
         state = [t.numpy() if isinstance(t, torch.Tensor) else t for pair in past for t in pair]
         outs = self.device.run([ids, mask, *state])
         if self.host:

@@ -81,12 +81,12 @@ class OpenCLDriver:
 
     def alloc(self, nbytes: int):
         if nbytes > self.max_alloc:
-            raise DeviceError(f"a buffer of {_size(nbytes)} is over this OpenCL device's {_size(self.max_alloc)} "
-                              "per allocation")
+            raise DeviceError(f"a buffer of {size_text(nbytes)} is over this OpenCL device's "
+                              f"{size_text(self.max_alloc)} per allocation")
         try:
             return self.cl.Buffer(self.ctx, self.cl.mem_flags.READ_WRITE, nbytes)
         except self.cl.Error as e:
-            raise DeviceError(f"OpenCL: cannot allocate {_size(nbytes)} ({e})") from None
+            raise DeviceError(f"OpenCL: cannot allocate {size_text(nbytes)} ({e})") from None
 
     def upload(self, array: np.ndarray):
         raw = padded(array)
@@ -129,7 +129,7 @@ class OpenCLDriver:
         self.queue.finish()
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
     return next(f"{nbytes / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"), (0, "B"))
                 if nbytes >= 2**k or k == 0)
 
