@@ -38,8 +38,9 @@ from pathlib import Path
 
 # opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
 # artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
-# executor replaced, for the ratio
-BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels")
+# executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
+BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels", "webgpu")
+DEVICE_BACKENDS = ("opencl", "opencl-kernels", "webgpu")  # the backends that run a GPU artifact: target by name
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
 MESH_PROMPT = 8  # run_mesh_bench's prompt length
@@ -162,7 +163,7 @@ def _open(kind: str, folder: str, threads: int):
         from k3compile.backends.onnx import OnnxBackend
 
         return OnnxBackend(folder, threads=threads, spinning=False)
-    if kind == "opencl":
+    if kind in ("opencl", "webgpu"):
         from k3compile.backends.executor import ExecutorBackend
 
         return ExecutorBackend(folder)
@@ -367,7 +368,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
-               else str(cached_artifact(source, target="opencl", progress=step)) if name.startswith("opencl")
+               else str(cached_artifact(source, target=name.split("-")[0], progress=step)) if name in DEVICE_BACKENDS
                else str(cached_export(source, progress=step)) for name in backends}
     config = read_config(artifact / "config.json")
     manifest = read_manifest(artifact)
@@ -385,7 +386,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": available_cores()},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
         "load": load, "decode": {}, "prefill": {},
-        "devices": {name: e.describe() for name, e in engines.items() if name.startswith("opencl")},
+        "devices": {name: e.describe() for name, e in engines.items() if name in DEVICE_BACKENDS},
     }
     for batch in decode_batches:
         step(f"decode, batch {batch}")

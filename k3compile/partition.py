@@ -255,15 +255,19 @@ def swap_weights(proto, state: dict[str, Tensor]):
     return m
 
 
+MESH_DRIVERS = ("opencl",)  # the GPU targets whose ranks `run` drives (backends/executor.py's DRIVERS, less webgpu)
+
+
 def check_mesh_target(target: str) -> None:
     """A mesh's ranks run in TVM's VM (llvm) or on a device executor (backends/executor.py), their collectives
     staged through host memory over gloo; other GPU targets have no executor to run a rank yet."""
     from k3compile.backends.executor import DRIVERS
     from k3compile.targets import resolve
 
-    if resolve(target).gpu and target not in DRIVERS:
-        raise ExportError(f"--mesh with target {target!r}: no executor runs its ranks here (GPU ranks: "
-                          f"{', '.join(DRIVERS)}; or llvm)")
+    if resolve(target).gpu and target not in MESH_DRIVERS:
+        why = ("its ranks' graphs take int32 ids (passes/device_legalize.py), which the rank worker's int64 feeds and "
+               "collectives do not give yet" if target in DRIVERS else "no executor runs its ranks here")
+        raise ExportError(f"--mesh with target {target!r}: {why} (GPU ranks: {', '.join(MESH_DRIVERS)}; or llvm)")
 
 
 def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3compile.passes.device_legalize import device_legalize
+from k3compile.passes.device_legalize import REFUSED, device_legalize
 from k3compile.passes.legalize_fuse import legalize_fuse
 from k3compile.passes.lift_weight_transforms import lift_weight_transforms
 from k3compile.passes.lower_k3_calls import lower_k3_calls
 from k3compile.passes.pack_dense_weights import pack_dense_weights
 from k3compile.passes.schedule import schedule
+
+from k3compile.interface import ExportError
 
 PHASES = (
     ("lower-k3-calls", lower_k3_calls),                   # 1. k3 extern calls -> TIR kernels (target layout)
@@ -46,6 +48,8 @@ def run_phases(mod, target=None, upto: str | None = None, dump_dir: str | Path |
         if n <= first:
             continue
         mod = make(target)(mod)
+        if mod.attrs is not None and REFUSED in mod.attrs:  # a phase that refuses the module says why
+            raise ExportError(str(mod.attrs[REFUSED]))
         if dump is not None:
             (dump / f"{n:02d}-{name}.py").write_text(mod.script())
         if name == upto:

@@ -42,6 +42,7 @@ import numpy as np
 from k3compile.interface import ExportError
 
 WIDE, NARROW, BOOL = "int64", "int32", "bool"
+REFUSED = "k3.refused"  # the module attribute a phase's refusal travels in (passes.run_phases raises it)
 _LIMIT = 2**31 - 1
 
 
@@ -115,6 +116,7 @@ def device_legalize(target):
         def __init__(self, mod, params):
             super().__init__(mod)
             self.params = params  # main's parameters stored as int32 (by handle): int64 or bool ones
+            self.refusals: list[str] = []  # values that do not fit
 
         def visit_var_def_(self, var):
             if var.__chandle__() in self.params:  # an int64 or a boolean parameter: int32
@@ -146,7 +148,11 @@ def device_legalize(target):
 
         def _arg(self, a):
             if isinstance(a, tvm.ir.expr.Constant) and isinstance(a.ty, relax.TensorType) and str(a.ty.dtype) == WIDE:
-                return _narrow_constant(a)
+                try:
+                    return _narrow_constant(a)
+                except ExportError as e:  # (raised here it would cross TVM's FFI as a RuntimeError)
+                    self.refusals.append(str(e))
+                    return relax.const(0, NARROW)  # a stand-in, so the walk goes on: the module is refused
             return a  # (a tuple's constants are attributes: strided_slice's axes and bounds stay int64)
 
         def visit_call_(self, call):
@@ -169,6 +175,7 @@ def device_legalize(target):
             # the arguments visited here, not by visit_expr_post_order, which would infer the call's type with an
             # int32-stored boolean before it is read as bool again
             args = [self.visit_expr(a) for a in call.args]
+            args = [self._arg(a) for a in args] if narrow else args
             reads = (0,) if call.op.same_as(ops["where"]) else range(len(args)) if any(
                 call.op.same_as(op) for op in logical) else ()  # the arguments read as truth values
             args = [self._read(a, i in reads and is_bool(old)) for i, (a, old) in enumerate(zip(args, call.args))]
@@ -189,7 +196,8 @@ def device_legalize(target):
             if call.op.same_as(ops["topk"]) and dtype == WIDE:
                 extent = args[0].ty.shape[int(attrs.axis)]
                 if isinstance(extent, tvm.tirx.IntImm) and int(extent) > _LIMIT:
-                    raise ExportError(f"top-k over {int(extent)} entries: its indices do not fit in 32 bits")
+                    self.refusals.append(f"top-k over {int(extent)} entries: its indices do not fit in 32 bits")
+                    return call
                 return relax.op.topk(args[0], int(attrs.k), int(attrs.axis), str(attrs.ret_type),
                                      bool(attrs.largest), NARROW)
             if call.op.same_as(ops["shape_to_tensor"]):
@@ -213,6 +221,8 @@ def device_legalize(target):
                     and ((narrow and str(p.ty.dtype) == WIDE) or (bool_storage and str(p.ty.dtype) == BOOL))}
             m = Narrow(mod, wide)
             m.builder_.update_func(gv, m.visit_expr(func))
+            if m.refusals:  # run_phases raises it
+                return mod.with_attr(REFUSED, m.refusals[0])
         return relax.transform.DeadCodeElimination()(m.builder_.get()) if m is not None else mod
 
     return run

@@ -90,7 +90,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.argument("source", default="k3-small")
 @click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
               help="Comma-separated: eager, onnx, tvm, opencl (the OpenCL executor: SOURCE compiled for opencl), "
-                   "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow).")
+                   "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow), webgpu "
+                   "(the WebGPU executor: SOURCE compiled for webgpu).")
 @click.option("--threads", type=IntRange(min=1), default=None,
               help="Threads of every backend (torch, onnxruntime, TVM) [default: every core].")
 @click.option("--repeats", type=IntRange(1, MAX_REPEATS), default=5, show_default=True,

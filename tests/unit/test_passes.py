@@ -40,8 +40,8 @@ def _run(mod, x, w):
 
 
 def test_phases_are_numbered_in_order():
-    assert PHASE_NAMES == ("lower-k3-calls", "pack-dense-weights", "lift-weight-transforms", "legalize-fuse",
-                           "schedule")
+    assert PHASE_NAMES == ("lower-k3-calls", "pack-dense-weights", "lift-weight-transforms", "device-legalize",
+                           "legalize-fuse", "schedule")
     with pytest.raises(ValueError, match="unknown phase"):
         run_phases(_matmul_module(64, 64), TARGET, upto="nope")
 
