@@ -73,7 +73,8 @@ class DeviceProgram:
         its results, in device memory."""
         from k3compile.executors.plan import DeviceTensor
 
-        args = [x if isinstance(x, DeviceTensor) else self.program.upload(np.asarray(x)) for x in inputs]
+        args = [x if isinstance(x, DeviceTensor) else self.program.upload(_as_param(np.asarray(x), p))
+                for x, p in zip(inputs, self.program.params)]
         try:
             return self.program.run([*args, *self.weights])
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:  # a plan edited and rehashed
@@ -88,6 +89,18 @@ class DeviceProgram:
         b, t, v = logits.shape
         last = np.stack([self.program.download(logits, (r * t + t - 1) * v, v) for r in range(b)])
         return torch.from_numpy(last).reshape(b, 1, v)
+
+
+def _as_param(x: np.ndarray, param: dict) -> np.ndarray:
+    """A host input in the integer type main takes (int32 on WebGPU: passes/device_legalize.py narrowed the ids, the
+    mask and a rank's expert offset), its values and its sizes (positions run to them) checked to fit."""
+    want = np.dtype(param["dtype"])
+    if x.dtype == want or x.dtype.kind not in "iub" or want.kind not in "iu":
+        return x
+    info = np.iinfo(want)
+    if x.size and (int(x.min()) < info.min or int(x.max()) > info.max) or any(n > info.max for n in x.shape):
+        raise ExportError(f"main's {param['name']} takes {want}: an input of {x.dtype} {list(x.shape)} does not fit")
+    return x.astype(want)
 
 
 class ExecutorBackend:
@@ -107,7 +120,6 @@ class ExecutorBackend:
         self.name, self.host = target, host
         self.device = DeviceProgram(folder / LAUNCH_PLAN, folder / CONSTANTS, folder / WEIGHTS,
                                     self.manifest["params"], target, device, profile)
-        self.id_dtypes = tuple(p["dtype"] for p in self.program.params[:2])  # input_ids, attention_mask
         self.load_s = time.perf_counter() - t0
 
     @property
@@ -128,12 +140,8 @@ class ExecutorBackend:
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         check_step(self.config, input_ids, attention_mask, past)
-        # the ids and the mask in the integer type main takes (int32 where the target has no int64:
-        # passes/legalize_dtypes.py; check_step has bounded both by the vocabulary and 0 / 1)
-        ids = np.asarray(input_ids).astype(self.id_dtypes[0])
-        mask = np.asarray(attention_mask).astype(self.id_dtypes[1])
-        if mask.shape[1] > np.iinfo(mask.dtype).max:
-            raise ExportError(f"a context of {mask.shape[1]} tokens is over what {mask.dtype} positions hold")
+        ids = np.asarray(input_ids, dtype=np.int64)  # DeviceProgram.run gives them the type main takes
+        mask = np.asarray(attention_mask, dtype=np.int64)
         state = [t.numpy() if isinstance(t, torch.Tensor) else t for pair in past for t in pair]
         outs = self.device.run([ids, mask, *state])
         if self.host:

@@ -185,7 +185,7 @@ class WebGPUDriver:
             raise DeviceError(f"{key}: a grid of {tuple(grid)} is over WebGPU's 65535 workgroups per dimension")
         pod = iface.pod(values, grid) if iface.pod_binding is not None else None
         group_key = (key, tuple(id(h) for h in handles), pod)
-        group = self._groups.get(group_key) if self.cache_groups else None
+        group = self._groups.get(group_key, (None,))[0] if self.cache_groups else None
         if group is None:
             entries = [{"binding": iface.bindings[n], "resource": {"buffer": h, "offset": 0, "size": h.size}}
                        for n, h in zip(map(wgsl_name, names), handles) if n in iface.bindings]
@@ -193,10 +193,12 @@ class WebGPUDriver:
                 entries.append({"binding": iface.pod_binding,
                                 "resource": {"buffer": self._uniform(pod), "offset": 0, "size": len(pod)}})
             group = self.device.create_bind_group(layout=layout, entries=entries)
-            if self.cache_groups:  # (a cached group holds its buffers, so their ids stay unique while it is kept)
+            if self.cache_groups:  # the buffers kept with it, so their ids stay theirs while it is cached (a bind
+                # group does not hold the Python buffers: a freed one's id came back for a new buffer, and the stale
+                # group bound the old one: wrong tokens after 14 steps)
                 if len(self._groups) > _CACHE:
                     self._groups.clear()
-                self._groups[group_key] = group
+                self._groups[group_key] = (group, list(handles))
         if self._pass is None:
             self._encoder = self.device.create_command_encoder()
             self._pass = self._encoder.begin_compute_pass()

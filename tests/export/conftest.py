@@ -48,3 +48,19 @@ def opencl_artifact(tiny_export, tmp_path_factory):
     out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-opencl"
     compile_export(tiny_export[1], out, target="opencl")
     return out
+
+
+@pytest.fixture(scope="session")
+def webgpu_artifact(tiny_export, tmp_path_factory):
+    """tiny_export compiled for webgpu (skips where wgpu finds no adapter): its folder."""
+    from k3compile.executors.webgpu import DeviceError, adapters
+
+    try:
+        adapters()
+    except DeviceError as e:
+        pytest.skip(str(e))
+    from k3compile.compile import compile_export
+
+    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-webgpu"
+    compile_export(tiny_export[1], out, target="webgpu")
+    return out

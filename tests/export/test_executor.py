@@ -1,9 +1,10 @@
 """GPU artifacts run on their device from their launch plan (k3compile/executors/, backends/executor.py;
-docs/architecture.md, "GPU artifacts and their executors"): k3-tiny compiled for OpenCL, run on PoCL with the decode
-state kept in device memory, equals eager in every output and gives eager's greedy tokens; loading it imports no TVM;
-an edited plan, a missing device or driver is one line.
+docs/architecture.md, "GPU artifacts and their executors"): k3-tiny compiled for OpenCL (run on PoCL) and for WebGPU
+(run on Mesa's lavapipe through wgpu, after phase 4 narrowed its integers), with the decode state kept in device
+memory, equals eager in every output and gives eager's greedy tokens; loading it imports no TVM; an edited plan, a
+missing device or driver, a weight over the device's limit is one line.
 
-The OpenCL artifact is built once per session (conftest.py's opencl_artifact, ~1 min)."""
+Each artifact is built once per session (conftest.py's opencl_artifact and webgpu_artifact, ~1 min each)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from hardening import one_line_error, run
 
 from k3compile.backends.eager import EagerBackend
@@ -22,42 +24,54 @@ PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three
 # fp32 on both sides; the device kernels sum blocks in the CPU kernels' order but the standard ops are dlight's
 # (another reduction order): observed ~1e-6 on values of order 1
 ATOL = 1e-4
+TARGETS = ("opencl", "webgpu")
+DEVICE_NAME = {"opencl": "OpenCL 0", "webgpu": "WebGPU "}
 
 
-def test_an_opencl_artifact_runs_on_its_device_and_equals_eager(tiny_export, opencl_artifact):
+@pytest.fixture(params=TARGETS)
+def gpu_artifact(request):
+    """(target, the k3-tiny artifact built for it once per session)."""
+    return request.param, request.getfixturevalue(f"{request.param}_artifact")
+
+
+def test_a_gpu_artifact_runs_on_its_device_and_equals_eager(tiny_export, gpu_artifact):
     from k3compile.backends.executor import ExecutorBackend
 
+    target, artifact = gpu_artifact
     model = tiny_export[0]
-    host = ExecutorBackend(opencl_artifact, host=True)
+    host = ExecutorBackend(artifact, host=True)
+    assert host.name == target
     rows = compare(EagerBackend(model, Forms.exported()), host, decode_steps=3, prompts=PROMPTS)
     bad = [r for r in rows if not r["max_abs"] <= ATOL]  # every output: logits and each layer's state
     assert not bad, bad[:3]
     want = generate(EagerBackend(model), PROMPTS, 32, eos_token_id=model.config.eos_token_id).tokens
-    device = ExecutorBackend(opencl_artifact)  # the state stays on the device, the last logits come back
+    device = ExecutorBackend(artifact)  # the state stays on the device, the last logits come back
     assert generate(device, PROMPTS, 32, eos_token_id=model.config.eos_token_id).tokens == want
 
 
-def test_loading_a_gpu_artifact_imports_no_tvm(opencl_artifact):
+def test_loading_a_gpu_artifact_imports_no_tvm(gpu_artifact):
     """Nothing is compiled or lowered at load: the plan is data, the kernels are source. The whole run, in a fresh
     process, never imports TVM."""
+    target, artifact = gpu_artifact
     code = ("import json, sys; from k3compile.backends.executor import ExecutorBackend; "
             "from k3compile.generate import generate; "
-            f"b = ExecutorBackend({str(opencl_artifact)!r}); t = generate(b, [[5, 17, 42, 9]], 4).tokens; "
+            f"b = ExecutorBackend({str(artifact)!r}); t = generate(b, [[5, 17, 42, 9]], 4).tokens; "
             "print(json.dumps({'tvm': 'tvm' in sys.modules, 'tokens': t, 'device': b.describe()}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     doc = json.loads(res.stdout)
-    assert doc["tvm"] is False and len(doc["tokens"][0]) == 4 and "OpenCL 0" in doc["device"]
+    assert doc["tvm"] is False and len(doc["tokens"][0]) == 4 and DEVICE_NAME[target] in doc["device"]
 
 
-def test_generate_runs_a_gpu_artifact_and_names_its_device(opencl_artifact, tiny_export):
-    r = run("generate", opencl_artifact, *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))],
+def test_generate_runs_a_gpu_artifact_and_names_its_device(gpu_artifact, tiny_export):
+    target, artifact = gpu_artifact
+    r = run("generate", artifact, *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))],
             "--max-new-tokens", "8", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output.splitlines()[-1])
     model = tiny_export[0]
     assert doc["tokens"] == generate(EagerBackend(model), PROMPTS, 8, eos_token_id=model.config.eos_token_id).tokens
-    assert doc["backend"] == "opencl" and doc["device"].startswith("OpenCL 0")
+    assert doc["backend"] == target and doc["device"].startswith(DEVICE_NAME[target])
 
 
 def test_an_edited_plan_a_missing_device_or_driver_is_one_line(opencl_artifact, tmp_path, monkeypatch):
@@ -131,3 +145,38 @@ def test_a_weight_over_the_devices_limit_or_a_full_device_is_one_line(opencl_art
     monkeypatch.setenv("K3COMPILE_OPENCL_DEVICE", "x1")
     one_line_error(run("generate", opencl_artifact), "expected a device index")
     assert sorted((p.name, p.stat().st_mtime_ns) for p in opencl_artifact.iterdir()) == before
+
+
+def test_webgpu_bad_adapter_index_and_a_weight_over_the_binding_limit_are_one_line(webgpu_artifact, monkeypatch):
+    """An adapter index that does not exist (--device, and a malformed $K3COMPILE_WEBGPU_ADAPTER), and an adapter
+    whose binding limit is below the largest weight (lavapipe's is 128 MiB: set low after it opens): one line each;
+    nothing is written into the artifact."""
+    from k3compile.executors import webgpu
+
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in webgpu_artifact.iterdir())
+    one_line_error(run("generate", webgpu_artifact, "--device", "9"), "WebGPU adapter 9 does not exist")
+    monkeypatch.setenv("K3COMPILE_WEBGPU_ADAPTER", "first")
+    one_line_error(run("generate", webgpu_artifact), "expected an adapter index")
+    monkeypatch.delenv("K3COMPILE_WEBGPU_ADAPTER")
+    real_init = webgpu.WebGPUDriver.__init__
+
+    def small(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self.max_alloc = 4096
+
+    monkeypatch.setattr(webgpu.WebGPUDriver, "__init__", small)
+    one_line_error(run("generate", webgpu_artifact), "over this WebGPU adapter's 4.0 KiB per binding")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in webgpu_artifact.iterdir()) == before
+
+
+def test_a_webgpu_artifact_takes_no_int64_and_its_plan_and_kernels_are_hashed(webgpu_artifact):
+    """WGSL has no 64-bit integers: phase 4 narrowed main's ids, mask and index tensors (docs/architecture.md,
+    "GPU targets"); the manifest's sha256s cover the launch plan, its constants and the WGSL."""
+    plan = json.loads((webgpu_artifact / "launch.json").read_text())
+    dtypes = {p["dtype"] for p in plan["main"]["params"]}
+    dtypes |= {r["dtype"] for b in plan["main"]["bindings"] for r in b.get("results", [])}
+    assert not dtypes & {"int64", "bool"} and [p["dtype"] for p in plan["main"]["params"][:2]] == ["int32", "int32"]
+    source = (webgpu_artifact / "device.wgsl").read_text()
+    assert "array<i8>" not in source and "i64" not in source
+    files = json.loads((webgpu_artifact / "manifest.json").read_text())["files"]
+    assert {"launch.json", "constants.safetensors", "device.wgsl"} <= set(files)
