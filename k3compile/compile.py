@@ -211,7 +211,7 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
     step("putting the weights in the target's layout (on this CPU)")
     weights = library.transform_weights(transform, raw)
     mod = run_phases(mod, tgt, dump_dir=dump, start="device-legalize")
-    weights = _narrow_weights(mod, weights)
+    weights = narrow_weights(mod, weights)
     step(f"checking the kernels against {tgt.name}'s limits")
     _no_extern_calls(mod, tgt)
     gpu.check(mod, tgt)
@@ -224,7 +224,7 @@ def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
     return mod, executable or None, names, weights
 
 
-def _narrow_weights(mod, weights: list) -> list:
+def narrow_weights(mod, weights: list) -> list:
     """The weights in the dtypes main takes after phase 4 (passes/device_legalize.py: an int64 or a boolean weight main
     now takes as int32 is cast, its values checked to fit)."""
     import numpy as np

@@ -255,19 +255,15 @@ def swap_weights(proto, state: dict[str, Tensor]):
     return m
 
 
-MESH_DRIVERS = ("opencl",)  # the GPU targets whose ranks `run` drives (backends/executor.py's DRIVERS, less webgpu)
-
-
 def check_mesh_target(target: str) -> None:
     """A mesh's ranks run in TVM's VM (llvm) or on a device executor (backends/executor.py), their collectives
     staged through host memory over gloo; other GPU targets have no executor to run a rank yet."""
     from k3compile.backends.executor import DRIVERS
     from k3compile.targets import resolve
 
-    if resolve(target).gpu and target not in MESH_DRIVERS:
-        why = ("its ranks' graphs take int32 ids (passes/device_legalize.py), which the rank worker's int64 feeds and "
-               "collectives do not give yet" if target in DRIVERS else "no executor runs its ranks here")
-        raise ExportError(f"--mesh with target {target!r}: {why} (GPU ranks: {', '.join(MESH_DRIVERS)}; or llvm)")
+    if resolve(target).gpu and target not in DRIVERS:
+        raise ExportError(f"--mesh with target {target!r}: no executor runs its ranks here (GPU ranks: "
+                          f"{', '.join(DRIVERS)}; or llvm)")
 
 
 def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,
@@ -277,10 +273,11 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.compile import build_proto, check_target, gpu_weight_transform, write_gpu_build
+    from k3compile.compile import build_proto, check_target, gpu_weight_transform, narrow_weights, write_gpu_build
     from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
+    from k3compile.passes.device_legalize import narrows_int64
     from k3compile.source import record
     from k3compile.targets import resolve
 
@@ -325,22 +322,24 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
             folder = w.path / rank_dir(p.rank)
             folder.mkdir()
             if key in builds:  # the same build: its files copied, its weight transform run on this rank's tensors
-                built_by, loaded, names = builds[key]
+                built_by, loaded, names, built = builds[key]
                 step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
                 for name in built_files:
                     shutil.copyfile(w.path / rank_dir(built_by) / name, folder / name)
                 mod, _, raw = to_relax(proto, keep_params=True)
                 if loaded is None:  # a GPU build: its weight transform compiled once, for the ranks that copy it
                     loaded = gpu_weight_transform(mod, target)
-                    builds[key] = (built_by, loaded, names)
+                    builds[key] = (built_by, loaded, names, built)
                 weights = library.transform_weights(loaded, raw)
+                if tgt.gpu:  # in the types the built graph takes (passes/device_legalize.py)
+                    weights = narrow_weights(built, weights)
             else:
                 mod, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
                     f"{t}: {m}"), library_path=None if tgt.gpu else folder / LIBRARY)
                 if tgt.gpu:  # the rank's launch plan and kernels (backends/executor.py runs them)
                     write_gpu_build(folder, mod, loaded, names, tgt, lambda m, t=tag: step(f"{t}: {m}"))
                     loaded = None
-                builds[key] = (p.rank, loaded, names)
+                builds[key] = (p.rank, loaded, names, mod)
                 built_by = p.rank
             save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
             del weights, proto
@@ -360,6 +359,8 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
             "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
             "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
+            # the all-to-all's expert ids on the wire: int32 where the target has no int64 (passes/device_legalize.py)
+            "expert_id_bytes": 4 if narrows_int64(tgt) else 8,
             "build_s": round(time.perf_counter() - t0, 3), "files": files,
         }
         write_json(w.path / MANIFEST, manifest)

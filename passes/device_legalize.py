@@ -8,12 +8,14 @@ they meet, and the lifted integer weights. Every one holds a small number, so ma
 place and the ops between them (add, where, less, take, gather, concat, ...) re-typed by Relax's own inference:
 
 - main's int64 parameters (ids < the vocabulary, the 0 / 1 mask, lifted integer weights) become int32; a weight's
-  values are checked when the build casts it (compile.py: `_narrow_weights`);
+  values are checked when the build casts it (compile.py: `narrow_weights`);
 - `astype(x, "int64")`, `arange(..., dtype="int64")` and `topk(..., dtype="int64")` produce int32: positions run to
   past + seq, which the executor refuses past 2^31 − 1 (2000 times K3's 1M-token window); top-k indices are below
   the scored axis's static extent, checked here;
 - `shape_to_tensor(shape)` becomes an int32 kernel of its own (a TE compute over the shape's expressions);
-- int64 constants become int32 ones, refused here (naming the value) where one does not fit.
+- int64 constants become int32 ones, refused here (naming the value) where one does not fit;
+- a host function's int64 results (`call_dps_packed`: a sharded rank's all-to-all of the expert ids, which returns
+  what it is given) become int32, and the runtime prices those ids at 4 bytes (sharding/cost.py).
 
 WGSL has `bool` values but no `bool` in a storage buffer (TVM would write `array<i8>`, which WGSL lacks too), so a
 boolean tensor main passes from one kernel to the next (the attention mask, a comparison) is stored as int32 0 / 1:
@@ -54,6 +56,11 @@ def needed(target) -> bool:
                                    or not limits.pow_of_negative)
 
 
+def narrows_int64(target) -> bool:
+    """Whether the pass narrows `target`'s int64 to int32 (its graphs then take and give int32 ids)."""
+    return target.limits is not None and WIDE in target.limits.no_dtypes
+
+
 def _narrow_constant(c):
     """An int64 relax.Constant as int32; ExportError (naming the value) where one does not fit."""
     from tvm import relax
@@ -86,7 +93,7 @@ def device_legalize(target):
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     ops = {name: tvm.ir.Op.get(f"relax.{name}")
-           for name in ("astype", "arange", "topk", "shape_to_tensor", "where", "power")}
+           for name in ("astype", "arange", "topk", "shape_to_tensor", "where", "power", "call_dps_packed")}
     logical = [tvm.ir.Op.get(f"relax.logical_{name}") for name in ("and", "or", "xor", "not")]
 
     def is_bool(e) -> bool:
@@ -99,7 +106,7 @@ def device_legalize(target):
             return bool(v.numpy() if hasattr(v, "numpy") else v)
         return None
 
-    narrow = target.limits is not None and WIDE in target.limits.no_dtypes
+    narrow = narrows_int64(target)
     bool_storage = target.limits is not None and BOOL in target.limits.no_buffer_dtypes
     products = target.limits is not None and not target.limits.pow_of_negative
 
@@ -205,9 +212,20 @@ def device_legalize(target):
                 if values is not None:
                     return self.builder_.call_te(shape_tensor_te, list(values),
                                                  primfunc_name_hint="k3_shape_to_tensor_i32")
-            if any(a is not b for a, b in zip(args, call.args)):
-                return relax.Call(call.op, args, call.attrs, call.ty_args)
+            ty_args = call.ty_args
+            if call.op.same_as(ops["call_dps_packed"]):  # a host function (a rank's collective: dtype-generic)
+                ty_args = [narrow_type(t) for t in ty_args]  # returns what it is given: int32 expert ids in, out
+            if any(a is not b for a, b in zip(args, call.args)) or any(
+                    not a.same_as(b) for a, b in zip(ty_args, call.ty_args)):
+                return relax.Call(call.op, args, call.attrs, ty_args)
             return call
+
+    def narrow_type(ty):
+        if isinstance(ty, relax.TupleType):
+            return relax.TupleType([narrow_type(f) for f in ty.fields])
+        if isinstance(ty, relax.TensorType) and str(ty.dtype) == WIDE:
+            return relax.TensorType(ty.shape, NARROW)
+        return ty
 
     @tvm.transform.module_pass(opt_level=0, name="K3DeviceLegalize")
     def run(mod, ctx):

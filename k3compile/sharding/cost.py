@@ -96,16 +96,17 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
 
 
 def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
-               width: int | None = None) -> dict[str, int]:
+               width: int | None = None, id_bytes: int = TOKEN_BYTES) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
     the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
-    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch)."""
+    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
+    `id_bytes`: an expert id's size on the wire (int64; int32 on a target without int64, whose graph is narrowed)."""
     rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry
     slots = rows * cfg.num_experts_per_token
     ep = plan.mesh.ep
     width = width or cfg.latent_size
-    a2a = {"tokens": width * dtype_bytes, "expert_ids": TOKEN_BYTES, "weights": dtype_bytes,
+    a2a = {"tokens": width * dtype_bytes, "expert_ids": id_bytes, "weights": dtype_bytes,
            "outputs": width * dtype_bytes}  # per token slot
     out = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     for step in plan.schedule(rank, cfg):
