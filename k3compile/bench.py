@@ -252,7 +252,7 @@ def _ratios(rows: dict) -> dict:
     return {name: (r["median"] / base if base else None) for name, r in rows.items()}
 
 
-def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
+def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
     """The MXFP4 expert kernel vs torch fp32 F.linear (dequantized experts), the config's expert shapes."""
     import numpy as np
     import torch
@@ -262,7 +262,6 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     from k3compile.kernels.moe import moe_kernel as tvm_moe_kernel
     from k3compile.ops.activations import situ
     from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
-    from k3compile.targets import resolve
 
     e, k = config.num_experts, config.num_experts_per_token
     d, i = config.routed_expert_hidden_size or config.hidden_size, config.moe_intermediate_size
@@ -271,7 +270,7 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
                             quantize_mxfp4(torch.randn(e, d, i, generator=gen) * 0.05))
     f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
     lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
-        "global_symbol", "main")}), target=resolve(target).tvm())
+        "global_symbol", "main")}), target=tgt.tvm())
     packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
     def measure(n: int) -> dict:
         z = torch.randn(n, d, generator=gen)
@@ -310,18 +309,17 @@ def moe_kernel(config, target: str, repeats: int, tokens: tuple[int, ...] = (1, 
     return rows
 
 
-def kda_scaling(config, target: str, repeats: int, lengths: tuple[int, ...] = (256, 512, 1024, 2048)) -> list[dict]:
+def kda_scaling(config, tgt, repeats: int, lengths: tuple[int, ...] = (256, 512, 1024, 2048)) -> list[dict]:
     """The TVM KDA kernels at batch 1 as T doubles: the chunked one (the compile path's) and the token-by-token
     recurrence, their repetitions interleaved."""
     import numpy as np
     import tvm
 
     from k3compile.kernels.kda import kda_chunked_kernel, kda_recurrence_kernel
-    from k3compile.targets import resolve
 
     h, dk = config.kda_num_heads, config.kda_head_dim
     libs = {name: tvm.compile(tvm.IRModule({"main": make(h, dk, dk).with_attr("global_symbol", "main")}),
-                              target=resolve(target).tvm())
+                              target=tgt.tvm())
             for name, make in (("chunked", kda_chunked_kernel), ("recurrent", kda_recurrence_kernel))}
     rng = np.random.default_rng(0)
     rows = []
@@ -349,7 +347,7 @@ def kda_scaling(config, target: str, repeats: int, lengths: tuple[int, ...] = (2
 
 def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, threads: int | None = None,
               repeats: int = 5, decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 8,
-              prefill: tuple[int, ...] = (512, 2048), target: str = "llvm",
+              prefill: tuple[int, ...] = (512, 2048), target="llvm",
               progress: Callable[[str], None] | None = None) -> dict:
     import platform
 
@@ -361,11 +359,13 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     from k3compile.config import read_config
     from k3compile.manifest import WEIGHTS, read_manifest
     from k3compile.presets import load_config
+    from k3compile.targets import resolve
     from k3compile.threads import available_cores, use_threads
 
     check_run(load_config(source), backends, decode_batches, decode_steps, prefill)
     step = progress or (lambda msg: None)
     threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
+    target = resolve(target)  # a Target, or its name
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
                else str(cached_artifact(source, target=name.split("-")[0], progress=step)) if name in DEVICE_BACKENDS

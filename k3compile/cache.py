@@ -139,23 +139,25 @@ def cached_export(source: str, seed: int = 0, weights: str = "auto", activations
                    lambda f: open_export(f, graph=True), build, progress)
 
 
-def cached_artifact(source: str, target: str = "llvm", seed: int = 0, weights: str = "auto",
+def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "auto",
                     activations: str = "none", progress: Callable[[str], None] | None = None) -> Path:
-    """A compiled artifact of SOURCE for `target` in the cache, exported and compiled on first use."""
+    """A compiled artifact of SOURCE for `target` (a k3compile.targets.Target, or its name) in the cache, exported
+    and compiled on first use."""
     from k3compile import source as sources
     from k3compile.compile import compile_export
     from k3compile.manifest import read_manifest
     from k3compile.targets import resolve
 
     record = sources.record(source, seed, weights)
+    tgt = resolve(target)
 
     def build(folder: Path) -> None:
         export = cached_export(source, seed, weights, activations, progress)
-        (progress or (lambda msg: None))(f"compiling {source} for {target} into the cache ({folder})")
-        compile_export(export, folder, target=target, progress=progress)
+        (progress or (lambda msg: None))(f"compiling {source} for {tgt.name} into the cache ({folder})")
+        compile_export(export, folder, target=tgt, progress=progress)
 
     return _cached("artifacts", entry_key("artifact", record, {"activations": activations,
-                                                               "target": resolve(target).describe()}),
+                                                               "target": tgt.describe()}),
                    read_manifest, build, progress)
 
 

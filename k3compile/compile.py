@@ -14,6 +14,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3compile import __version__, library
 from k3compile.artifact import writing
@@ -38,19 +39,16 @@ from k3compile.manifest import (  # the artifact format
     WEIGHTS,
 )
 
-
-def check_target(target: str) -> None:
-    """An unknown or not yet supported target is one ExportError naming it."""
-    from k3compile.targets import resolve
-
-    resolve(target)
+if TYPE_CHECKING:
+    from k3compile.targets import Target
 
 
-def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm", overwrite: bool = False,
+def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
                    tune: int = 0) -> dict:
-    """Compile an export folder for `target` into the artifact folder `out`; returns the manifest. With `tune` > 0
-    the artifact also holds decode.so, tuned with that many meta_schedule trials (k3compile/tune.py)."""
+    """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
+    `out`; returns the manifest. With `tune` > 0 the artifact also holds decode.so, tuned with that many
+    meta_schedule trials (k3compile/tune.py)."""
     import tempfile
 
     import onnx
@@ -62,25 +60,24 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
 
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
-    check_target(target)
+    tgt = resolve(target)
     if tune < 0:
         raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
-    if tune and resolve(target).gpu:
-        raise ExportError(f"--tune tunes CPU code; target {target!r} is scheduled by dlight and its own kernels")
+    if tune and tgt.gpu:
+        raise ExportError(f"--tune tunes CPU code; target {tgt.name!r} is scheduled by dlight and its own kernels")
     if dump_ir is not None:
         _dump_folder(dump_ir, create=False, apart_from=(out, export_dir))  # refused before any work; created once
         # the compile starts
     doc, cfg = open_export(export_dir, graph=True)
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
-        tgt = resolve(target)
-        mod, executable, names, params = build(export_dir, target, progress=step, dump_ir=dump_ir,
+        mod, executable, names, params = build(export_dir, tgt, progress=step, dump_ir=dump_ir,
                                                library_path=None if tgt.gpu else w.path / LIBRARY)
         if tgt.gpu:
             write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
         if tune:
-            decode, rows = build_decode(export_dir, target, tune, work, progress=step)
+            decode, rows = build_decode(export_dir, tgt, tune, work, progress=step)
             decode.export_library(str(w.path / DECODE_LIBRARY))
             for name in (WORKLOADS, RECORDS):
                 shutil.copyfile(Path(work) / name, w.path / name)
@@ -92,8 +89,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target: str = "llvm"
         manifest = {
             "k3compile": __version__,
             "kind": KIND,
-            "target": target,
-            "tvm_target": resolve(target).describe(),
+            "target": tgt.name,
+            "tvm_target": tgt.describe(),
             "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
             "interface": GraphInterface.of(cfg).as_record(),
             "params": names,
@@ -144,9 +141,9 @@ def write_gpu_build(folder: Path, mod, executable, names: list[str], tgt, step: 
     save_file(constants, str(folder / CONSTANTS))
 
 
-def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None] | None = None,
+def build(export_dir: Path, tgt: Target, progress: Callable[[str], None] | None = None,
           dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
-    """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `target`: returns
+    """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `tgt`: returns
     (module, executable, weight names, weights): the weights are main's parameters after the graph inputs, already
     put in the target's layout by running the lifted `main_transform_params` once. A GPU target with
     `executable=False` stops before TVM's code generation (the executable is then None): what the device runner
@@ -154,11 +151,11 @@ def build(export_dir: Path, target: str = "llvm", progress: Callable[[str], None
     executable returned is that file, loaded (library.transform_weights says why)."""
     import onnx
 
-    return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), target, progress, dump_ir, executable,
+    return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), tgt, progress, dump_ir, executable,
                        library_path)
 
 
-def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | None = None,
+def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = None,
                 dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
     """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
     extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
@@ -167,10 +164,8 @@ def build_proto(proto, target: str = "llvm", progress: Callable[[str], None] | N
 
     from k3compile.frontend import to_relax
     from k3compile.passes import run_phases
-    from k3compile.targets import resolve
 
     step = progress or (lambda msg: None)
-    tgt = resolve(target)
     step("importing into TVM Relax")
     mod, _, raw = to_relax(proto, keep_params=True)
     step(f"lowering and scheduling for {tgt.describe()}")
@@ -199,7 +194,7 @@ def weight_names(mod) -> list[str]:
 
 def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
     """build() for a GPU target: the weight transform (phase 3's `main_transform_params`) is compiled for this CPU
-    and run here, `main` alone goes on through phases 4-5, the target's limits are checked on every PrimFunc
+    and run here, `main` alone goes on through phases 4-6, the target's limits are checked on every PrimFunc
     (targets/gpu.py: check), then TVM compiles it (host code for this CPU, device source for the target). The
     executable cannot run here (no device runtime in this TVM): k3compile/devices.py runs its kernels."""
     import tvm
@@ -260,12 +255,10 @@ def _split_transform(mod, tgt, dump=None):
     return mod, tvm.compile(transform, target="llvm")
 
 
-def gpu_weight_transform(mod, target: str):
+def gpu_weight_transform(mod, tgt: Target):
     """The compiled weight transform of an imported k3 graph's GPU build (`frontend.to_relax`'s module), without
     building it: what a sharded rank whose graph another rank built runs on its own tensors (k3compile/partition.py)."""
-    from k3compile.targets import resolve
-
-    return _split_transform(mod, resolve(target))[1]
+    return _split_transform(mod, tgt)[1]
 
 
 def _no_extern_calls(mod, tgt) -> None:
@@ -297,7 +290,7 @@ def _no_extern_calls(mod, tgt) -> None:
                                     for symbol in left))
 
 
-def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Path,
+def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Path,
                  progress: Callable[[str], None] | None = None):
     """The decode library of `--tune` (k3compile/tune.py): the export imported with batch = seq = 1, lowered and
     scheduled like `main`, its static functions tuned; it takes main's weights, which is checked (the two weight
@@ -310,11 +303,9 @@ def build_decode(export_dir: Path, target: str, trials: int, work_dir: str | Pat
     from k3compile.passes import run_phases
     from k3compile.passes.legalize_fuse import legalize_fuse
     from k3compile.passes.schedule import schedule
-    from k3compile.targets import resolve
     from k3compile.tune import decode_proto, tune_decode
 
     step = progress or (lambda msg: None)
-    tgt = resolve(target)
     step("importing the decode step (batch = seq = 1)")
     proto = onnx.load(str(Path(export_dir) / MODEL_FILE))
     main_mod, _, _ = to_relax(proto, keep_params=True)

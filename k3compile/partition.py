@@ -255,25 +255,25 @@ def swap_weights(proto, state: dict[str, Tensor]):
     return m
 
 
-def check_mesh_target(target: str) -> None:
+def check_mesh_target(tgt) -> None:
     """A mesh's ranks run in TVM's VM (llvm) or on a device executor (backends/executor.py), their collectives
-    staged through host memory over gloo; other GPU targets have no executor to run a rank yet."""
+    staged through host memory over gloo; other GPU targets (a k3compile.targets.Target) have no executor to run a
+    rank yet."""
     from k3compile.backends.executor import DRIVERS
-    from k3compile.targets import resolve
 
-    if resolve(target).gpu and target not in DRIVERS:
-        raise ExportError(f"--mesh with target {target!r}: no executor runs its ranks here (GPU ranks: "
+    if tgt.gpu and tgt.name not in DRIVERS:
+        raise ExportError(f"--mesh with target {tgt.name!r}: no executor runs its ranks here (GPU ranks: "
                           f"{', '.join(DRIVERS)}; or llvm)")
 
 
-def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm", seed: int = 0,
+def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed: int = 0,
                    experts: str = "auto", activations: str = "none", opset: int = 27, overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dispatch: str = "all_reduce") -> dict:
     """Build OUT for `mesh` from SOURCE (a preset, config.json or checkpoint folder); returns the manifest."""
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.compile import build_proto, check_target, gpu_weight_transform, narrow_weights, write_gpu_build
+    from k3compile.compile import build_proto, gpu_weight_transform, narrow_weights, write_gpu_build
     from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
@@ -282,9 +282,8 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     from k3compile.targets import resolve
 
     step = progress or (lambda msg: None)
-    check_target(target)
-    check_mesh_target(target)
-    tgt = resolve(target)
+    tgt = resolve(target)  # a Target, or its name
+    check_mesh_target(tgt)
     # a rank whose graph another rank built copies these of its folder
     built_files = ([LIBRARY, f"{DEVICE_SOURCE}{tgt.source[1]}", LAUNCH_PLAN, CONSTANTS] if tgt.gpu else [LIBRARY])
     register_tvm_references()  # the VM resolves every extern a graph calls (k3.all_reduce) when it is created
@@ -328,13 +327,13 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
                     shutil.copyfile(w.path / rank_dir(built_by) / name, folder / name)
                 mod, _, raw = to_relax(proto, keep_params=True)
                 if loaded is None:  # a GPU build: its weight transform compiled once, for the ranks that copy it
-                    loaded = gpu_weight_transform(mod, target)
+                    loaded = gpu_weight_transform(mod, tgt)
                     builds[key] = (built_by, loaded, names, built)
                 weights = library.transform_weights(loaded, raw)
                 if tgt.gpu:  # in the types the built graph takes (passes/device_legalize.py)
                     weights = narrow_weights(built, weights)
             else:
-                mod, loaded, names, weights = build_proto(proto, target, progress=lambda m, t=tag: step(
+                mod, loaded, names, weights = build_proto(proto, tgt, progress=lambda m, t=tag: step(
                     f"{t}: {m}"), library_path=None if tgt.gpu else folder / LIBRARY)
                 if tgt.gpu:  # the rank's launch plan and kernels (backends/executor.py runs them)
                     write_gpu_build(folder, mod, loaded, names, tgt, lambda m, t=tag: step(f"{t}: {m}"))
@@ -355,7 +354,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
             if f.is_file():
                 files[f.relative_to(w.path).as_posix()] = sha256_file(f)
         manifest = {
-            "k3compile": __version__, "kind": KIND, "target": target, "tvm_target": resolve(target).describe(),
+            "k3compile": __version__, "kind": KIND, "target": tgt.name, "tvm_target": tgt.describe(),
             "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
             "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
@@ -369,7 +368,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target: str = "llvm
     return manifest
 
 
-def compile_sharded(export_dir: str | Path, out: str | Path, mesh: Mesh, target: str = "llvm",
+def compile_sharded(export_dir: str | Path, out: str | Path, mesh: Mesh, target="llvm",
                     overwrite: bool = False, progress: Callable[[str], None] | None = None,
                     dispatch: str = "all_reduce") -> dict:
     """`compile EXPORT --mesh`: an export sharded. The ranks are traced again from the source the export records (a

@@ -104,9 +104,12 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "llvm": _llvm, **{n: _family(n) for n in ("opencl", "webgpu", "metal", "cuda", "rocm", "vulkan")}}
 
 
-def resolve(name: str | None = None) -> Target:
+def resolve(name: str | Target | None = None) -> Target:
     """The target for a `--target` value (default: llvm, this CPU); ExportError (one line) for an unknown name or
-    a target that cannot be built here."""
+    a target that cannot be built here. Resolved once, at the door (the CLI, a library entry point): below it,
+    functions take the Target; a Target given here is returned as it is."""
+    if isinstance(name, Target):
+        return name
     name = "llvm" if name is None else name
     if name in TARGETS:
         return TARGETS[name]()

@@ -44,7 +44,7 @@ class DeviceBackend:
             self.manifest = None
             _, self.config = open_export(folder, graph=True)
         self.dev = devices.driver(device)
-        self.mod, _, names, weights = build(folder, device, progress=progress, executable=False)
+        self.mod, _, names, weights = build(folder, self.target, progress=progress, executable=False)
         if self.manifest is not None:
             if names != self.manifest["params"]:
                 raise ExportError(f"{folder}: lowering its model.onnx again gives other parameters than its "

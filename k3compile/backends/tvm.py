@@ -37,16 +37,16 @@ class TvmBackend:
     """`folder`: an export folder (compiled here, in memory) or a compiled artifact (`k3compile compile`'s OUT,
     loaded after its manifest and every file's sha256 are checked)."""
 
-    def __init__(self, folder: str | Path, target: str = "llvm") -> None:
+    def __init__(self, folder: str | Path, target="llvm") -> None:
         import tvm
         from tvm import relax
 
-        from k3compile.compile import check_target
         from k3compile.manifest import MANIFEST
         from k3compile.ops import register_tvm_references
+        from k3compile.targets import resolve
 
         folder = Path(folder)
-        check_target(target)
+        target = resolve(target)  # a Target, or its name
         register_tvm_references()
         self.device = tvm.cpu()
         self._tensor = tvm.runtime.tensor
@@ -61,11 +61,11 @@ class TvmBackend:
         self._decode_vm = None if self._decode_executable is None else relax.VirtualMachine(self._decode_executable,
                                                                                              self.device)
 
-    def _compile_export(self, folder: Path, target: str) -> None:
+    def _compile_export(self, folder: Path, target) -> None:
         from k3compile.compile import build
 
         self.record, self.config = open_export(folder, graph=True)
-        self.name = f"tvm-{target}"
+        self.name = f"tvm-{target.name}"
         self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:

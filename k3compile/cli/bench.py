@@ -133,9 +133,9 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
             raise UserError(f"--json and --png name the same file ({json_path})")
         if png_path is not None and importlib.util.find_spec("matplotlib") is None:
             raise UserError("--png needs matplotlib (pip install 'k3compile[bench]')")
-        from k3compile.compile import check_target
+        from k3compile.targets import resolve
 
-        check_target(target)
+        target = resolve(target)  # once, here: the library takes the Target
         if meshes:
             from k3compile.bench import mesh_table, run_mesh_bench
 

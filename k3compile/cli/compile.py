@@ -30,7 +30,10 @@ def command(folder, out, target, overwrite, dump_ir, tune, mesh, dispatch, as_js
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
+    from k3compile.targets import resolve
 
+    with user_errors():
+        target = resolve(target)  # once, here: the library takes the Target
     if mesh is not None:
         if dump_ir or tune:
             raise click.UsageError("--dump-ir and --tune do not apply to --mesh")

@@ -60,14 +60,14 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
     seed = weight_seed if weight_seed is not None else (seed_alias or 0)
     record = sources.record(source, seed, weights)
     if mesh is not None:
-        return _export_sharded(source, out, mesh, target or "llvm", seed, weights, activations, opset, overwrite,
+        return _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite,
                                threads, as_json, quiet, dispatch)
     with user_errors():
         check_options(out, opset, activations, overwrite, source_paths(record))
         if target is not None:
-            from k3compile.compile import check_target
+            from k3compile.targets import resolve
 
-            check_target(target)
+            target = resolve(target)  # once, here: the library takes the Target
         with status(f"loading {source}", quiet) as step:
             model = sources.load_model(source, seed=seed, experts=weights)
             use_threads(threads or default_threads(model.config))
@@ -121,11 +121,13 @@ def _export_sharded(source, out, mesh, target, seed, weights, activations, opset
     from k3compile.partition import check_mesh_target, export_sharded
     from k3compile.sharding import Mesh
     from k3compile.source import record
+    from k3compile.targets import resolve
     from k3compile.threads import use_threads
 
     with user_errors():
         mesh = Mesh.parse(mesh)
         check_options(out, opset, activations, overwrite, source_paths(record(source, seed, weights)))
+        target = resolve(target)  # once, here (default: llvm); the library takes the Target
         check_mesh_target(target)
         if threads:
             use_threads(threads)

@@ -138,7 +138,7 @@ def test_gpu_kernels_run_float_experts_of_any_width_and_matmuls_of_any_n():
     gen = torch.Generator().manual_seed(3)
     e, i, d, offset = 3, 24, 40, 1
     w13, w2 = torch.randn(e, 2 * i, d, generator=gen) * 0.2, torch.randn(e, d, i, generator=gen) * 0.2
-    mod, _, _, weights = build_proto(_moe_proto(w13, w2, offset, "situ"), "opencl", executable=False)
+    mod, _, _, weights = build_proto(_moe_proto(w13, w2, offset, "situ"), resolve("opencl"), executable=False)
     assert "k3_latent_moe_dispatch_up_3_32_64_1_situ" in mod.script()
     for n in TOKENS:
         z, idx, w = torch.randn(n, d, generator=gen), torch.randint(0, e + 2, (n, 2), generator=gen), torch.rand(n, 2)
@@ -152,7 +152,7 @@ def test_gpu_kernels_run_float_experts_of_any_width_and_matmuls_of_any_n():
     node = helper.make_node("MXFP4MatMul", ["x", "p", "s"], ["y"], domain="k3", act_quant=ACT_QUANT_CODES["none"])
     proto = _model([node], [_vi("x", TensorProto.FLOAT, ["m", k])], [_vi("y", TensorProto.FLOAT, ["m", n_out])],
                    [_init("p", packed), _init("s", scale)])
-    mod, _, _, weights = build_proto(proto, "opencl", executable=False)
+    mod, _, _, weights = build_proto(proto, resolve("opencl"), executable=False)
     assert "k3_mxfp4_matmul_mm_64_8_none" in mod.script()
     x = torch.randn(5, k, generator=gen)
     (got,) = devices.run_main(mod, opencl, [x.numpy(), *(t.numpy() for t in weights)], dev=dev)
@@ -174,7 +174,7 @@ def test_mxfp8_activations_over_partial_blocks_are_refused_by_eager_and_by_the_b
     assert reason == ["MXFP8 activations (e4m3) quantize blocks of 32 along both widths, got I=24, D=40 (the eager op "
                       "refuses them too)"]
     with pytest.raises(ExportError, match=r"^k3.latent_moe_dispatch has no llvm kernel: MXFP8 activations \(e5m2\)"):
-        build_proto(_moe_proto(w13, w2, 0, "silu", "e5m2"), "llvm")
+        build_proto(_moe_proto(w13, w2, 0, "silu", "e5m2"), resolve("llvm"))
 
 
 def _call_module(*symbols: str):
