@@ -23,6 +23,17 @@ from k3compile.interface import ExportError, Past, check_step, init_past, unflat
 DRIVERS = ("opencl", "webgpu")  # the targets an executor runs here
 
 
+def device_variable(target: str) -> str:
+    """The environment variable that picks a GPU target's device (what --device sets), e.g. for `run`'s ranks."""
+    if target == "opencl":
+        from k3compile.executors.opencl import ENV_DEVICE
+    elif target == "webgpu":
+        from k3compile.executors.webgpu import ENV_DEVICE
+    else:
+        raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
+    return ENV_DEVICE
+
+
 def open_driver(target: str, device: int | None = None, profile: bool = False):
     """The driver of a GPU target's executor, on device `device` (with `profile`, one that times its launches on
     the device); one DeviceError line where it cannot open."""

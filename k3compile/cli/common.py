@@ -115,14 +115,15 @@ def status(text: str, quiet: bool):
 _IDS = re.compile(r"\s*[0-9]+(\s*,\s*[0-9]+)*\s*")  # ASCII digits only: int() would also take "1_0" and "١"
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     if not _IDS.fullmatch(text):
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers such as 1,2,3",
-                                 param_hint="--prompt-ids")
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers such as 1,2,3", param_hint=option)
     parts = [t.strip() for t in text.split(",")]
     long = next((t for t in parts if len(t.lstrip("0")) > 18), None)  # past any vocabulary (and int()'s 4300 digits)
     if long is not None:
-        raise click.BadParameter(f"token id {long[:20]}... is outside any vocabulary", param_hint="--prompt-ids")
+        what = "is outside any vocabulary" if option == "--prompt-ids" else "is too large"
+        raise click.BadParameter(f"{'token id ' if option == '--prompt-ids' else ''}{long[:20]}... {what}",
+                                 param_hint=option)
     return [int(t) for t in parts]
 
 

@@ -32,12 +32,15 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
 @click.option("--rendezvous", default=None, metavar="HOST:PORT",
               help="With --nnodes > 1: an address of node 0 that every node reaches; node 0 listens on it (only), the "
                    "others join it. Default: this machine alone, on 127.0.0.1. See the README's trust model.")
+@click.option("--device", "devices", default=None, metavar="N[,N...]",
+              help="GPU ranks: the device index of each of this node's ranks, in rank order (one index: all of them) "
+                   "[default: the driver's variable (K3COMPILE_OPENCL_DEVICE, K3COMPILE_WEBGPU_ADAPTER), else 0].")
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, nnodes, node_rank,
-            rendezvous, stats, as_json, quiet):
+            rendezvous, devices, stats, as_json, quiet):
     """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank on this machine, talking
     over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
     --nnodes, --node-rank and --rendezvous (README)."""
@@ -46,11 +49,12 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     from k3compile.runtime.worker import Options
 
     prompts = [parse_ids(p) for p in prompt_ids]
+    devices = tuple(parse_ids(devices, "--device")) if devices is not None else ()
     with user_errors():
         rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
         try:
             res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
-                                      progress=not quiet and not as_json), rdzv)
+                                      progress=not quiet and not as_json, devices=devices), rdzv)
         except RendezvousError as e:
             if not e.stuck_thread:
                 raise

@@ -60,7 +60,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
 
     rdzv = rendezvous or Rendezvous()
     folder = Path(folder)
-    _, cfg, plan = read_sharded(folder)
+    doc, cfg, plan = read_sharded(folder)
     check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
     world = plan.mesh.size
     if world % rdzv.nnodes:
@@ -70,6 +70,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
     per_node = world // rdzv.nnodes
+    device_env = _devices(doc["target"], options.devices, per_node)
     threads = capped(options.threads) if options.threads else default_threads(per_node)
     options = dataclasses.replace(options, threads=threads)
     ifname = interface_of(rdzv)
@@ -88,7 +89,8 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         first = rdzv.node_rank * per_node
         for rank in range(first, first + per_node):
             procs[rank] = subprocess.Popen([sys.executable, "-m", "k3compile.runtime.worker", str(run_dir)],
-                                           env={**env, ENV_RANK: str(rank)}, stdin=subprocess.DEVNULL,
+                                           env={**env, ENV_RANK: str(rank), **device_env[rank - first]},
+                                           stdin=subprocess.DEVNULL,
                                            start_new_session=True)  # Ctrl-C reaches the launcher, which stops them
         _watch(procs, run_dir)
         if rdzv.node_rank != 0:
@@ -100,6 +102,22 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if hosted is not None:
             hosted.close()
     return summarize(folder, results)
+
+
+def _devices(target: str, devices, per_node: int) -> list[dict]:
+    """Each local rank's environment that picks its GPU device (the driver's variable, which its executor reads):
+    `devices` lists one index per rank of this node, or one for all; none leaves the variable as it is."""
+    if not devices:
+        return [{}] * per_node
+    from k3compile.backends.executor import DRIVERS, device_variable
+
+    if target not in DRIVERS:
+        raise RuntimeFault(f"--device picks a GPU rank's device; this artifact's ranks are built for {target}")
+    if len(devices) not in (1, per_node):
+        raise RuntimeFault(f"--device lists {len(devices)} devices for this node's {per_node} ranks (give one per "
+                           "rank, or one for all)")
+    name = device_variable(target)
+    return [{name: str(devices[i if len(devices) > 1 else 0])} for i in range(per_node)]
 
 
 def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:

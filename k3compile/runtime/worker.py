@@ -60,6 +60,7 @@ class Options:
     timeout: float = DEFAULT_TIMEOUT
     states_dir: str | None = None  # each rank writes its layers' final decode state here (states.rank<r>.npz)
     progress: bool = False  # rank 0 reports each step on stderr
+    devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
 
 
 class Rank:
