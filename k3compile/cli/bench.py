@@ -117,7 +117,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
             meshes, dispatches, quiet):
-    """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL executor, when named)
+    """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
+    named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
     kernel against torch fp32, the KDA kernel as T doubles, the memory roofline, load time and peak memory, the
     OpenCL kernels' share of a decode step. Builds into the cache on first use. Run it

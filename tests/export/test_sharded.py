@@ -208,6 +208,23 @@ def test_webgpu_ranks_decode_the_tokens_of_eager(webgpu_sharded, references, tmp
     check_decode(webgpu_sharded, "all-to-all", *references["k3-tiny"], tmp_path / "states")
 
 
+def test_run_device_picks_each_ranks_adapter_or_is_one_line(webgpu_sharded, sharded, references):
+    """`run --device`: one index per rank of the node (or one for all), through the driver's variable; an adapter
+    that does not exist fails the run naming it; a count that does not match, or --device for llvm ranks, is refused
+    before any worker starts."""
+    from k3compile.runtime.worker import RuntimeFault
+
+    eager, _ = references["k3-tiny"]
+    want = generate(eager, PROMPTS, 2, eos_token_id=eager.config.eos_token_id).tokens
+    assert run(webgpu_sharded, Options(PROMPTS, 2, threads=1, devices=(0, 0)))["tokens"] == want
+    with pytest.raises(RuntimeFault, match="WebGPU adapter 9 does not exist"):
+        run(webgpu_sharded, Options(PROMPTS, 2, threads=1, devices=(9,), timeout=30))
+    with pytest.raises(RuntimeFault, match="lists 3 devices for this node's 2 ranks"):
+        run(webgpu_sharded, Options(PROMPTS, 2, devices=(0, 0, 0)))
+    with pytest.raises(RuntimeFault, match="built for llvm"):
+        run(sharded[("k3-tiny", "ep=2", "all-reduce")], Options(PROMPTS, 2, devices=(0,)))
+
+
 def check_decode(folder, dispatch, eager, tvm, tmp_path):
     """`run` FOLDER on PROMPTS: greedy tokens equal eager's (and the single-process TVM build's), every rank's final
     decode state within STATE_ATOL of the single-process one, every rank's bytes per step = the plan's = `accounted`."""
