@@ -87,7 +87,7 @@ def shape_tensor_te(values):
 
 
 def device_legalize(target):
-    """The pass (a tvm.transform.ModulePass) for `target`: identity where the target has 64-bit integers."""
+    """The pass (a tvm.transform.ModulePass) for `target`: identity where the target needs none of it (`needed`)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -119,7 +119,7 @@ def device_legalize(target):
         return None
 
     @mutator
-    class Narrow(PyExprMutator):
+    class Legalize(PyExprMutator):
         def __init__(self, mod, params):
             super().__init__(mod)
             self.params = params  # main's parameters stored as int32 (by handle): int64 or bool ones
@@ -237,7 +237,7 @@ def device_legalize(target):
                 continue
             wide = {p.__chandle__() for p in func.params if isinstance(p.ty, relax.TensorType)
                     and ((narrow and str(p.ty.dtype) == WIDE) or (bool_storage and str(p.ty.dtype) == BOOL))}
-            m = Narrow(mod, wide)
+            m = Legalize(mod, wide)
             m.builder_.update_func(gv, m.visit_expr(func))
             if m.refusals:  # run_phases raises it
                 return mod.with_attr(REFUSED, m.refusals[0])

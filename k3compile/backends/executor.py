@@ -20,32 +20,30 @@ import torch
 
 from k3compile.interface import ExportError, Past, check_step, init_past, unflatten
 
-DRIVERS = ("opencl", "webgpu")  # the targets an executor runs here
+# the targets an executor runs here: target -> (its driver's module, the driver class); each module names the
+# environment variable that picks its device (ENV_DEVICE)
+_DRIVERS = {"opencl": ("k3compile.executors.opencl", "OpenCLDriver"),
+            "webgpu": ("k3compile.executors.webgpu", "WebGPUDriver")}
+DRIVERS = tuple(_DRIVERS)
+
+
+def _driver_module(target: str):
+    import importlib
+
+    if target not in _DRIVERS:
+        raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
+    return importlib.import_module(_DRIVERS[target][0])
 
 
 def device_variable(target: str) -> str:
     """The environment variable that picks a GPU target's device (what --device sets), e.g. for `run`'s ranks."""
-    if target == "opencl":
-        from k3compile.executors.opencl import ENV_DEVICE
-    elif target == "webgpu":
-        from k3compile.executors.webgpu import ENV_DEVICE
-    else:
-        raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
-    return ENV_DEVICE
+    return _driver_module(target).ENV_DEVICE
 
 
 def open_driver(target: str, device: int | None = None, profile: bool = False):
     """The driver of a GPU target's executor, on device `device` (with `profile`, one that times its launches on
     the device); one DeviceError line where it cannot open."""
-    if target == "opencl":
-        from k3compile.executors.opencl import OpenCLDriver
-
-        return OpenCLDriver(device, profile=profile)
-    if target == "webgpu":
-        from k3compile.executors.webgpu import WebGPUDriver
-
-        return WebGPUDriver(device, profile=profile)
-    raise ExportError(f"no executor runs target {target!r} here (executors: {', '.join(DRIVERS)})")
+    return getattr(_driver_module(target), _DRIVERS[target][1])(device, profile=profile)
 
 
 class DeviceProgram:

@@ -70,7 +70,8 @@ def adapters() -> list:
 
 class WebGPUDriver:
     """One WebGPU device: adapter `index` (else $K3COMPILE_WEBGPU_ADAPTER, else wgpu's high-performance choice),
-    with the adapter's own buffer limits and TVM's 10 storage buffers per kernel."""
+    with the adapter's own buffer limits and TVM's 10 storage buffers per kernel. `profile` is accepted and has no
+    effect yet (timestamp queries are optional in WebGPU; `bench` profiles the OpenCL executor)."""
 
     def __init__(self, index: int | None = None, profile: bool = False) -> None:
         try:

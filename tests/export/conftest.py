@@ -34,33 +34,27 @@ def tvm_artifact(tiny_export, tmp_path_factory):
     return compile_export(tiny_export[1], out), out
 
 
-@pytest.fixture(scope="session")
-def opencl_artifact(tiny_export, tmp_path_factory):
-    """tiny_export compiled for opencl (skips where no OpenCL device is): its folder."""
-    from k3compile.executors.opencl import DeviceError, devices
+def _gpu_artifact(target: str, tiny_export, tmp_path_factory):
+    """tiny_export compiled for a GPU target whose executor runs here (skips where its driver finds no device)."""
+    from k3compile.compile import compile_export
+    from k3compile.executors import opencl, webgpu
 
     try:
-        devices()
-    except DeviceError as e:
+        {"opencl": opencl.devices, "webgpu": webgpu.adapters}[target]()
+    except opencl.DeviceError as e:
         pytest.skip(str(e))
-    from k3compile.compile import compile_export
-
-    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-opencl"
-    compile_export(tiny_export[1], out, target="opencl")
+    out = tmp_path_factory.mktemp("artifacts") / f"k3-tiny-{target}"
+    compile_export(tiny_export[1], out, target=target)
     return out
+
+
+@pytest.fixture(scope="session")
+def opencl_artifact(tiny_export, tmp_path_factory):
+    """tiny_export compiled for opencl (PoCL here): its folder."""
+    return _gpu_artifact("opencl", tiny_export, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def webgpu_artifact(tiny_export, tmp_path_factory):
-    """tiny_export compiled for webgpu (skips where wgpu finds no adapter): its folder."""
-    from k3compile.executors.webgpu import DeviceError, adapters
-
-    try:
-        adapters()
-    except DeviceError as e:
-        pytest.skip(str(e))
-    from k3compile.compile import compile_export
-
-    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-webgpu"
-    compile_export(tiny_export[1], out, target="webgpu")
-    return out
+    """tiny_export compiled for webgpu (lavapipe here, through wgpu): its folder."""
+    return _gpu_artifact("webgpu", tiny_export, tmp_path_factory)
