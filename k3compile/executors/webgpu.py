@@ -53,8 +53,29 @@ class Interface:
         return data.ljust(max(16, -(-len(data) // 16) * 16), b"\0")
 
 
+def _primary_backends() -> None:
+    """wgpu's instance limited to its primary backends (Vulkan, Metal, D3D12), once per process and before the
+    instance exists: its GL backend adds no compute device worth choosing (here, llvmpipe again, as a second
+    adapter), and probing it wrote three more "error: XDG_RUNTIME_DIR is invalid" lines to stderr on this machine
+    without a display (Mesa's Vulkan driver still writes one)."""
+    global _INSTANCE_SET
+    if _INSTANCE_SET:
+        return
+    _INSTANCE_SET = True
+    try:
+        from wgpu.backends.wgpu_native.extras import set_instance_extras
+
+        set_instance_extras(backends=["Primary"])
+    except Exception:  # noqa: BLE001 - another wgpu, or an instance made already: all backends, as wgpu's default
+        pass
+
+
+_INSTANCE_SET = False
+
+
 def adapters() -> list:
-    """Every WebGPU adapter wgpu finds (the --device indices); raises DeviceError."""
+    """Every WebGPU adapter wgpu finds on its primary backends (the --device indices); raises DeviceError."""
+    _primary_backends()
     try:
         import wgpu
 
@@ -78,6 +99,7 @@ class WebGPUDriver:
             import wgpu
         except ImportError:
             raise DeviceError("WebGPU: the wgpu package is not installed (pip install wgpu)") from None
+        _primary_backends()
         if index is None and os.environ.get(ENV_DEVICE) is not None:
             env = os.environ[ENV_DEVICE]
             if not env.isdigit():
