@@ -46,7 +46,7 @@ class Interface:
     def pod(self, values: dict, grid) -> bytes:
         """The PODArgs bytes for the scalar arguments `values` (by name) of a launch over `grid`, padded to 16
         bytes."""
-        # packGridDimX: the last block index along x (no packing over z)
+        # packGridDimX: the last block index along x (WebGPUDriver.dispatch folds a wider grid over z)
         values = {**{wgsl_name(k): v for k, v in values.items()}, "packGridDimX": grid[0] - 1}
         data = b"".join(struct.pack({"i32": "<i", "u32": "<I", "f32": "<f"}[ty], values[name])
                         for name, ty in self.fields)
@@ -127,6 +127,7 @@ class WebGPUDriver:
             raise DeviceError(f"WebGPU: the adapter binds {limits['max-storage-buffers-per-shader-stage']} storage "
                               f"buffers per kernel; k3compile's WGSL needs {MAX_STORAGE_BUFFERS}")
         self.max_alloc = int(min(limits["max-buffer-size"], limits["max-storage-buffer-binding-size"]))
+        self.max_workgroups = int(limits["max-compute-workgroups-per-dimension"])
         try:
             self.device = adapter.request_device_sync(required_limits={
                 "max-storage-buffers-per-shader-stage": MAX_STORAGE_BUFFERS,
@@ -203,9 +204,17 @@ class WebGPUDriver:
 
     def dispatch(self, key, pipeline, iface: Interface, layout, names: list[str], handles: list, values: dict,
                  grid) -> None:
-        """Record one dispatch of a built pipeline into the step's command encoder."""
-        if max(grid) > 65535:
-            raise DeviceError(f"{key}: a grid of {tuple(grid)} is over WebGPU's 65535 workgroups per dimension")
+        """Record one dispatch of a built pipeline into the step's command encoder. A grid wider than the adapter's
+        workgroups per dimension along x is folded over z, as TVM's WGSL expects: its kernels index the block
+        blockIdx.z · gridDim.x + blockIdx.x and return past `packGridDimX` (the reason TVM's WebGPU target keeps
+        blockIdx.z for itself)."""
+        limit = self.max_workgroups
+        dims = tuple(grid)
+        if dims[0] > limit and any(name == "packGridDimX" for name, _ in iface.fields):
+            dims = (limit, dims[1], -(-dims[0] // limit))
+        if max(dims) > limit:
+            raise DeviceError(f"{key}: a grid of {tuple(grid)} is over this adapter's {limit} workgroups per "
+                              "dimension")
         pod = iface.pod(values, grid) if iface.pod_binding is not None else None
         group_key = (key, tuple(id(h) for h in handles), pod)
         group = self._groups.get(group_key, (None,))[0] if self.cache_groups else None
@@ -227,7 +236,7 @@ class WebGPUDriver:
             self._pass = self._encoder.begin_compute_pass()
         self._pass.set_pipeline(pipeline)
         self._pass.set_bind_group(0, group)
-        self._pass.dispatch_workgroups(*grid)
+        self._pass.dispatch_workgroups(*dims)
         self.dispatches += 1
 
     def _uniform(self, pod: bytes):

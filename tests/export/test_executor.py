@@ -180,3 +180,25 @@ def test_a_webgpu_artifact_takes_no_int64_and_its_plan_and_kernels_are_hashed(we
     assert "array<i8>" not in source and "i64" not in source
     files = json.loads((webgpu_artifact / "manifest.json").read_text())["files"]
     assert {"launch.json", "constants.safetensors", "device.wgsl"} <= set(files)
+
+
+def test_a_webgpu_grid_wider_than_the_adapter_allows_is_folded_over_z(tiny_export, webgpu_artifact, monkeypatch):
+    """An 800-token prefill: the KDA short convolution's fused kernel needs 76,800 workgroups along x, over WebGPU's
+    65,535; the driver folds the grid over z as TVM's WGSL expects (blockIdx.z · gridDim.x + blockIdx.x, guarded by
+    packGridDimX), and every output still equals eager's within ATOL."""
+    from k3compile.backends.executor import ExecutorBackend
+    from k3compile.executors import webgpu
+
+    widest = []
+    real = webgpu.WebGPUDriver.dispatch
+
+    def watch(self, key, pipeline, iface, layout, names, handles, values, grid):
+        widest.append(grid[0])
+        return real(self, key, pipeline, iface, layout, names, handles, values, grid)
+
+    monkeypatch.setattr(webgpu.WebGPUDriver, "dispatch", watch)
+    prompt = [(i * 7) % 250 + 3 for i in range(800)]
+    rows = compare(EagerBackend(tiny_export[0], Forms.exported()), ExecutorBackend(webgpu_artifact, host=True),
+                   decode_steps=1, prompts=[prompt])
+    assert max(widest) > 65535
+    assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
