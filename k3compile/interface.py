@@ -80,6 +80,20 @@ def past_length(cfg: K3Config, past: Past) -> int:
     return 0
 
 
+def as_input_type(x: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    """A host input in the integer type a compiled main takes (int32 on WebGPU: passes/device_legalize.py narrowed
+    the ids, the mask and a rank's expert offset), its values and its sizes (positions run to them) checked to fit;
+    any other input as it is. What the executors (backends/executor.py) and the kernel-by-kernel runner
+    (backends/device.py) feed."""
+    want = np.dtype(dtype)
+    if x.dtype == want or x.dtype.kind not in "iub" or want.kind not in "iu":
+        return x
+    info = np.iinfo(want)
+    if x.size and (int(x.min()) < info.min or int(x.max()) > info.max) or any(n > info.max for n in x.shape):
+        raise ExportError(f"main's {name} takes {want}: an input of {x.dtype} {list(x.shape)} does not fit")
+    return x.astype(want)
+
+
 def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
     """Every backend's step checks its inputs first: compiled code indexes the embedding with the ids as they come
     (an id past the vocabulary reads other memory: garbage logits, or a segfault) and trusts the shapes."""

@@ -17,7 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.interface import ExportError, Past, check_step, init_past, numpy_inputs, open_export, unflatten
+from k3compile.interface import (
+    ExportError,
+    Past,
+    as_input_type,
+    check_step,
+    init_past,
+    numpy_inputs,
+    open_export,
+    unflatten,
+)
 
 
 class DeviceBackend:
@@ -71,8 +80,7 @@ class DeviceBackend:
 
         check_step(self.config, input_ids, attention_mask, past)
         feeds = numpy_inputs(input_ids, attention_mask, past)
-        # the ids and the mask in the types main takes (int32 on WebGPU: passes/device_legalize.py)
-        feeds[:2] = [f.astype(str(p.ty.dtype)) for f, p in zip(feeds[:2], self.mod["main"].params)]
+        feeds[:2] = [as_input_type(f, p.name, str(p.ty.dtype)) for f, p in zip(feeds[:2], self.mod["main"].params)]
         outs = devices.run_main(self.mod, self.target, [*feeds, *self._weights], self.dev, self.progress)
         outs = [torch.from_numpy(o) for o in outs]
         return outs[0], unflatten(outs[1:])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3compile.interface import ExportError, Past, check_step, init_past, unflatten
+from k3compile.interface import ExportError, Past, as_input_type, check_step, init_past, unflatten
 
 # the targets an executor runs here: target -> (its driver's module, the driver class); each module names the
 # environment variable that picks its device (ENV_DEVICE)
@@ -82,7 +82,8 @@ class DeviceProgram:
         its results, in device memory."""
         from k3compile.executors.plan import DeviceTensor
 
-        args = [x if isinstance(x, DeviceTensor) else self.program.upload(_as_param(np.asarray(x), p))
+        args = [x if isinstance(x, DeviceTensor)
+                else self.program.upload(as_input_type(np.asarray(x), p["name"], p["dtype"]))
                 for x, p in zip(inputs, self.program.params)]
         try:
             return self.program.run([*args, *self.weights])
@@ -98,18 +99,6 @@ class DeviceProgram:
         b, t, v = logits.shape
         last = np.stack([self.program.download(logits, (r * t + t - 1) * v, v) for r in range(b)])
         return torch.from_numpy(last).reshape(b, 1, v)
-
-
-def _as_param(x: np.ndarray, param: dict) -> np.ndarray:
-    """A host input in the integer type main takes (int32 on WebGPU: passes/device_legalize.py narrowed the ids, the
-    mask and a rank's expert offset), its values and its sizes (positions run to them) checked to fit."""
-    want = np.dtype(param["dtype"])
-    if x.dtype == want or x.dtype.kind not in "iub" or want.kind not in "iu":
-        return x
-    info = np.iinfo(want)
-    if x.size and (int(x.min()) < info.min or int(x.max()) > info.max) or any(n > info.max for n in x.shape):
-        raise ExportError(f"main's {param['name']} takes {want}: an input of {x.dtype} {list(x.shape)} does not fit")
-    return x.astype(want)
 
 
 class ExecutorBackend:
