@@ -36,10 +36,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from k3compile.llama_bench import QUIET_BOUND
+
 # opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
 # artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
 # executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
 BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels", "webgpu")
+LLAMA = "llama.cpp"  # the peer's rows (k3compile/llama_bench.py), with --llama-bench and --gguf
 DEVICE_BACKENDS = ("opencl", "opencl-kernels", "webgpu")  # the backends that run a GPU artifact: target by name
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
@@ -95,7 +98,7 @@ def weight_table(path: Path) -> dict:
     """name -> (shape, dtype, bytes) of every tensor of a safetensors file, read from its header only."""
     from safetensors import safe_open
 
-    size = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1, "F64": 8}
+    size = {"F32": 4, "F16": 2, "BF16": 2, "U16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1, "F64": 8}
     table = {}
     with safe_open(str(path), "np") as f:
         for name in f.keys():
@@ -238,6 +241,22 @@ def opencl_profile(folder: str, steps: int, vocab: int, repeats: int) -> dict:
             "kernel_share": kernel / wall, "launches_per_step": launches // steps}
 
 
+def _decode_any(engine, batch: int, steps: int, vocab: int) -> float | None:
+    from k3compile.llama_bench import LlamaBench
+
+    if isinstance(engine, LlamaBench):  # its own tool, in a fresh process, after the same prompt
+        return engine.decode(batch, steps, PROMPT)
+    return _decode_once(engine, batch, steps, vocab)
+
+
+def _prefill_any(engine, length: int, vocab: int) -> float:
+    from k3compile.llama_bench import LlamaBench
+
+    if isinstance(engine, LlamaBench):
+        return engine.prefill(length)
+    return _prefill_once(engine, length, vocab)
+
+
 def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
     runs: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
@@ -247,9 +266,15 @@ def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
     return {name: {"median": _median(v), "runs": v} for name, v in runs.items()}
 
 
-def _ratios(rows: dict) -> dict:
-    base = rows.get("eager", {}).get("median")
+def _ratios(rows: dict, base: str = "eager") -> dict:
+    base = rows.get(base, {}).get("median")
     return {name: (r["median"] / base if base else None) for name, r in rows.items()}
+
+
+def _figures(rows: dict) -> dict:
+    """A section's rows with their ratios to eager and, when llama.cpp ran, to llama.cpp."""
+    return {"tokens_per_s": rows, "vs_eager": _ratios(rows),
+            **({"vs_llama_cpp": _ratios(rows, LLAMA)} if LLAMA in rows else {})}
 
 
 def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
@@ -348,7 +373,11 @@ def kda_scaling(config, tgt, repeats: int, lengths: tuple[int, ...] = (256, 512,
 def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, threads: int | None = None,
               repeats: int = 5, decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 8,
               prefill: tuple[int, ...] = (512, 2048), target="llvm",
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, llama: tuple[str, str] | None = None,
+              allow_busy: bool = False) -> dict:
+    """The bench (the module's docstring). `llama`: (llama-bench's path, a GGUF of the same model) to run llama.cpp
+    beside the backends (k3compile/llama_bench.py); the machine must be quiet before and after the measurements
+    (llama_bench.check_quiet) unless `allow_busy`, which records the busy cores and marks the figures."""
     import platform
 
     import onnxruntime
@@ -357,6 +386,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
 
     from k3compile.cache import cached_artifact, cached_export
     from k3compile.config import read_config
+    from k3compile.llama_bench import LlamaBench, busy_cores, check_quiet
     from k3compile.manifest import WEIGHTS, read_manifest
     from k3compile.presets import load_config
     from k3compile.targets import resolve
@@ -365,6 +395,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     check_run(load_config(source), backends, decode_batches, decode_steps, prefill)
     step = progress or (lambda msg: None)
     threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
+    peer = LlamaBench(*llama, threads) if llama else None  # checked before any build
     target = resolve(target)  # a Target, or its name
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
@@ -373,6 +404,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     config = read_config(artifact / "config.json")
     manifest = read_manifest(artifact)
 
+    quiet = _quiet(step, "before the measurements", allow_busy, busy_cores, check_quiet)
     step("measuring load time and peak memory (a fresh process per backend)")
     load = {name: _probe_in_subprocess(name, folder, threads) for name, folder in folders.items()}
     step("measuring memory bandwidth")
@@ -380,27 +412,32 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
 
     step("loading the backends")
     engines = {name: _open(name, folder, threads) for name, folder in folders.items()}
+    if peer is not None:
+        engines[LLAMA] = peer
     vocab = config.vocab_size
     result: dict = {
         "source": source, "threads": threads, "repeats": repeats, "target": manifest["tvm_target"],
+        "dense_weights": manifest.get("dense_weights", "fp32"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": available_cores()},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
         "load": load, "decode": {}, "prefill": {},
-        "devices": {name: e.describe() for name, e in engines.items() if name in DEVICE_BACKENDS},
+        "devices": {name: e.describe() for name, e in engines.items() if name in (*DEVICE_BACKENDS, LLAMA)},
     }
+    ours = {name: e for name, e in engines.items() if name != LLAMA}
     for batch in decode_batches:
         step(f"decode, batch {batch}")
-        for engine in engines.values():  # warm-up: allocations and first-call compilation are not the figure
+        for engine in ours.values():  # warm-up: allocations and first-call compilation are not the figure
             _decode_once(engine, batch, WARMUP_STEPS, vocab)
-        rows = _interleaved(engines, repeats, lambda e, b=batch: _decode_once(e, b, decode_steps, vocab))
-        result["decode"][str(batch)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
+        runs = engines if peer is None or batch == 1 or peer.batched else ours  # llama-batched-bench: batch > 1
+        rows = _interleaved(runs, repeats, lambda e, b=batch: _decode_any(e, b, decode_steps, vocab))
+        result["decode"][str(batch)] = _figures(rows)
     for length in prefill:
         step(f"prefill, T = {length}")
-        for engine in engines.values():
+        for engine in ours.values():
             _prefill_once(engine, min(length, 64), vocab)
-        rows = _interleaved(engines, repeats, lambda e, n=length: _prefill_once(e, n, vocab))
-        result["prefill"][str(length)] = {"tokens_per_s": rows, "vs_eager": _ratios(rows)}
-    del engines
+        rows = _interleaved(engines, repeats, lambda e, n=length: _prefill_any(e, n, vocab))
+        result["prefill"][str(length)] = _figures(rows)
+    del engines, ours
     if "opencl" in folders:
         step("the OpenCL executor's decode, profiled")
         result["opencl_profile"] = opencl_profile(folders["opencl"], decode_steps, vocab, repeats)
@@ -423,7 +460,18 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     result["artifact_weight_bytes"] = weight_bytes
     if "tvm" in load and "peak_rss_bytes" in load["tvm"]:
         result["tvm_peak_rss_vs_weights"] = load["tvm"]["peak_rss_bytes"] / weight_bytes
+    after = _quiet(step, "after the measurements", allow_busy, busy_cores, check_quiet)
+    result["quiet"] = {"bound_cores": QUIET_BOUND, "busy_cores_before": quiet, "busy_cores_after": after,
+                       "checked": not allow_busy}
     return result
+
+
+def _quiet(step, when: str, allow_busy: bool, busy_cores, check_quiet) -> float:
+    """The cores other processes kept busy (`when`), after a pause that lets this process's pools go idle; refused
+    past the bound unless `allow_busy`."""
+    step(f"checking that the machine is quiet {when}")
+    time.sleep(1.0)
+    return busy_cores() if allow_busy else check_quiet(when)
 
 
 def chart(result: dict, path: str | Path) -> None:

@@ -45,10 +45,10 @@ if TYPE_CHECKING:
 
 def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
-                   tune: int = 0) -> dict:
+                   tune: int = 0, dense: str = "auto") -> dict:
     """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
     `out`; returns the manifest. With `tune` > 0 the artifact also holds decode.so, tuned with that many
-    meta_schedule trials (k3compile/tune.py)."""
+    meta_schedule trials (k3compile/tune.py). `dense`: how the dense matrices are stored (`dense_target`)."""
     import tempfile
 
     import onnx
@@ -72,7 +72,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
         mod, executable, names, params = build(export_dir, tgt, progress=step, dump_ir=dump_ir,
-                                               library_path=None if tgt.gpu else w.path / LIBRARY)
+                                               library_path=None if tgt.gpu else w.path / LIBRARY, dense=dense)
+        tgt = tgt.with_dense(dense_format(mod))
         if tgt.gpu:
             write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
@@ -94,6 +95,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
             "interface": GraphInterface.of(cfg).as_record(),
             "params": names,
+            "dense_weights": tgt.dense_format.value,
             **({"tuning": tuning} if tuning else {}),
             "compile_s": round(time.perf_counter() - t0, 3),
             "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
@@ -142,21 +144,24 @@ def write_gpu_build(folder: Path, mod, executable, names: list[str], tgt, step: 
 
 
 def build(export_dir: Path, tgt: Target, progress: Callable[[str], None] | None = None,
-          dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
+          dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None,
+          dense: str = "auto"):
     """An export folder (already checked) imported, lowered (passes.PHASES) and compiled for `tgt`: returns
     (module, executable, weight names, weights): the weights are main's parameters after the graph inputs, already
     put in the target's layout by running the lifted `main_transform_params` once. A GPU target with
     `executable=False` stops before TVM's code generation (the executable is then None): what the device runner
     (k3compile/devices.py) needs. With `library_path` (a CPU target), the library is exported there first and the
-    executable returned is that file, loaded (library.transform_weights says why)."""
+    executable returned is that file, loaded (library.transform_weights says why). `dense`: how the dense matrices
+    are stored (`dense_target`); the module returned records it (`dense_format(mod)`)."""
     import onnx
 
     return build_proto(onnx.load(str(Path(export_dir) / MODEL_FILE)), tgt, progress, dump_ir, executable,
-                       library_path)
+                       library_path, dense)
 
 
 def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = None,
-                dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None):
+                dump_ir: str | Path | None = None, executable: bool = True, library_path: Path | None = None,
+                dense: str = "auto"):
     """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
     extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
     TVM compiles anything, on every target."""
@@ -167,12 +172,21 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
 
     step = progress or (lambda msg: None)
     step("importing into TVM Relax")
-    mod, _, raw = to_relax(proto, keep_params=True)
+    mod, raw_names, raw = to_relax(proto, keep_params=True)
+    tgt = dense_target(tgt, raw_names, raw, dense)
     step(f"lowering and scheduling for {tgt.describe()}")
     dump = _dump_folder(dump_ir) if dump_ir is not None else None
     if tgt.gpu:
         return _build_gpu(mod, raw, tgt, dump, step, executable)
-    mod = run_phases(mod, tgt, dump_dir=dump)
+    phased = run_phases(mod, tgt, dump_dir=dump).with_attr(DENSE_FORMAT, tgt.dense_format.value)
+    try:
+        check_dense(phased, raw_names, raw)
+    except ExportError:
+        if dense != "auto":
+            raise
+        tgt = tgt.with_dense("fp32")  # auto: a packed weight that was not 2-D holds other values; keep fp32
+        phased = run_phases(mod, tgt).with_attr(DENSE_FORMAT, tgt.dense_format.value)
+    mod = phased
     _no_extern_calls(mod, tgt)
     names = weight_names(mod)
     step("compiling")
@@ -184,6 +198,57 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
         executable = library.load(Path(library_path))
     step("putting the weights in the target's layout")
     return mod, executable, names, library.transform_weights(executable, raw)
+
+
+DENSE_FORMAT = "k3.dense_format"  # module attr: the dense format a build stores (modes.DenseFormat)
+
+
+def _holds_bf16(value) -> bool:
+    """Every value of an fp32 array is a bf16 value (its lower 16 bits are zero): cutting it to bf16 is exact."""
+    import numpy as np
+
+    return not np.any(np.ascontiguousarray(value).view(np.uint32) & 0xFFFF)
+
+
+def dense_target(tgt: Target, names: list[str], raw: list, dense: str = "auto") -> Target:
+    """`tgt` storing its dense matrices as `dense` (docs/architecture.md, "Dense weights"): "fp32"; "bf16" (half the
+    bytes, widened in the kernel; only for weights that hold bf16 values, checked by `check_dense`); "auto": bf16
+    when every fp32 matrix (2-D weight) holds bf16 values (a bf16 checkpoint, a preset), else fp32. A target
+    without dense panels (the GPUs) keeps fp32."""
+    from k3compile.modes import DENSE_CHOICES, DenseFormat
+
+    if dense not in DENSE_CHOICES:
+        raise ExportError(f"--dense-weights takes one of {', '.join(DENSE_CHOICES)}, got {dense!r}")
+    if not tgt.dense_panel:
+        if dense == DenseFormat.BF16:
+            raise ExportError(f"--dense-weights bf16: target {tgt.name!r} reads its dense weights as fp32 (its matmul "
+                              "kernels have no bf16 form yet); use fp32 or auto")
+        return tgt.with_dense(DenseFormat.FP32)
+    if dense == "auto":
+        matrices = [w for w in raw if len(w.shape) == 2 and str(w.dtype) == "float32"]
+        dense = DenseFormat.BF16 if matrices and all(_holds_bf16(m.numpy()) for m in matrices) else DenseFormat.FP32
+    return tgt.with_dense(dense)
+
+
+def dense_format(mod) -> str:
+    """The dense format a built module stores ("fp32" for a module built before phase 2 or for a GPU)."""
+    attrs = mod.attrs if mod.attrs is not None else {}
+    return str(attrs[DENSE_FORMAT]) if DENSE_FORMAT in attrs else "fp32"
+
+
+def check_dense(mod, names: list[str], raw: list) -> None:
+    """A bf16 build's packed weights (passes/pack_dense_weights.py: PACKED) among `raw` (named `names`) hold bf16
+    values, so cutting them is exact; ExportError naming the first that does not. Run on every set of weights a
+    build's transform takes (a sharded rank's too)."""
+    from k3compile.passes.pack_dense_weights import PACKED
+
+    if dense_format(mod) != "bf16":
+        return
+    packed = {str(n) for n in mod.attrs[PACKED]} if PACKED in mod.attrs else set()
+    for name, w in zip(names, raw):
+        if name in packed and not _holds_bf16(w.numpy()):
+            raise ExportError(f"--dense-weights bf16: weight {name} holds values bf16 cannot represent exactly; "
+                              "k3compile narrows only bf16 values (a bf16 checkpoint, a preset): use fp32")
 
 
 def weight_names(mod) -> list[str]:

@@ -27,7 +27,8 @@ from k3compile.interface import ExportError
 SIGNATURE_FUNC = "k3compile_signature"
 # what compile writes (numpy can view each through DLPack): safetensors dtype -> (TVM dtype, bytes)
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "F64": ("float64", 8), "U8": ("uint8", 1),
-                      "I8": ("int8", 1), "I32": ("int32", 4), "U32": ("uint32", 4), "I64": ("int64", 8),
+                      "I8": ("int8", 1), "I32": ("int32", 4), "U16": ("uint16", 2), "U32": ("uint32", 4),
+                      "I64": ("int64", 8),
                       "BOOL": ("bool", 1)}
 HEADER_MAX = 100 * 2**20  # the safetensors format's own bound on the JSON header
 

@@ -32,6 +32,16 @@ class ExpertFormat(str, Enum):
     MXFP4 = "mxfp4"  # packed E2M1 nibbles + E8M0 scale bytes, 32-element blocks
 
 
+class DenseFormat(str, Enum):
+    """How a compiled artifact stores its dense matrices (docs/architecture.md, "Dense weights")."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"  # the upper 16 bits of the fp32 value, widened in the matmul kernel by a 16-bit shift
+
+
+DENSE_CHOICES = ("auto", *(f.value for f in DenseFormat))  # auto: bf16 where that is lossless, else fp32
+
+
 class Activation(str, Enum):
     SILU = "silu"
     SITU = "situ"

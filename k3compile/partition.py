@@ -273,7 +273,14 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.compile import build_proto, gpu_weight_transform, narrow_weights, write_gpu_build
+    from k3compile.compile import (
+        build_proto,
+        check_dense,
+        dense_format,
+        gpu_weight_transform,
+        narrow_weights,
+        write_gpu_build,
+    )
     from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
@@ -325,7 +332,8 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
                 step(f"{tag}: same graph as rank {built_by}; its weights through that build's transform")
                 for name in built_files:
                     shutil.copyfile(w.path / rank_dir(built_by) / name, folder / name)
-                mod, _, raw = to_relax(proto, keep_params=True)
+                mod, raw_names, raw = to_relax(proto, keep_params=True)
+                check_dense(built, raw_names, raw)  # a bf16 build cuts this rank's matrices too: they must be bf16
                 if loaded is None:  # a GPU build: its weight transform compiled once, for the ranks that copy it
                     loaded = gpu_weight_transform(mod, tgt)
                     builds[key] = (built_by, loaded, names, built)
@@ -357,6 +365,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             "k3compile": __version__, "kind": KIND, "target": tgt.name, "tvm_target": tgt.describe(),
             "versions": {"tvm": tvm.__version__, "torch": torch.__version__}, "source": rec,
             "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
+            "dense_weights": dense_format(next(iter(builds.values()))[3]),
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
             # the all-to-all's expert ids on the wire: int32 where the target has no int64 (passes/device_legalize.py)
             "expert_id_bytes": 4 if narrows_int64(tgt) else 8,

@@ -12,7 +12,7 @@ target this machine or this TVM build cannot compile for, and why.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from k3compile.interface import ExportError
@@ -48,6 +48,7 @@ class Target:
     options: tuple = ()             # extra TVM target fields, (key, value) pairs
     limits: object = None           # a GPU's targets.gpu.Limits (None: the CPU)
     source: tuple = ()              # a GPU's (TVM module kind of its device code, file suffix), e.g. ("opencl", ".cl")
+    dense_format: str = "fp32"      # how the dense panels are stored (modes.DenseFormat; compile.dense_target sets it)
 
     @property
     def gpu(self) -> bool:
@@ -79,6 +80,12 @@ class Target:
 
             return lowering()
         return contextlib.nullcontext()
+
+    def with_dense(self, fmt: str) -> Target:
+        """This target storing its dense panels as `fmt` (a modes.DenseFormat value)."""
+        from k3compile.modes import DenseFormat
+
+        return replace(self, dense_format=DenseFormat(fmt))
 
     def describe(self) -> str:
         return str(self.tvm())

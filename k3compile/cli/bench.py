@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from k3compile.bench import BACKENDS, MAX_REPEATS
+from k3compile.bench import BACKENDS, LLAMA, MAX_REPEATS
 from k3compile.cli.common import IntRange, dumps, status, user_errors
 from k3compile.errors import UserError
 from k3compile.sharding.plan import DISPATCH
@@ -114,9 +114,17 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
               callback=_names(tuple(DISPATCH_FLAGS)),
               help="With --mesh: comma-separated all-reduce, all-to-all; a mesh with ep > 1 runs once per dispatch.")
+@click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="Also run llama.cpp: its llama-bench binary (llama-batched-bench beside it runs decode batches "
+                   "above 1), interleaved with the backends' repetitions, same threads; needs --gguf.")
+@click.option("--gguf", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="With --llama-bench: the GGUF of SOURCE (llama.cpp's convert_hf_to_gguf.py of its checkpoint).")
+@click.option("--allow-busy", "allow_busy", is_flag=True,
+              help="Report even when other processes keep the machine busy (the figures are then marked); by "
+                   "default the bench refuses past 0.25 busy cores before or after measuring.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
-            meshes, dispatches, quiet):
+            meshes, dispatches, llama_bench, gguf, allow_busy, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
@@ -127,6 +135,10 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
 
     from k3compile.bench import chart, run_bench
 
+    if (llama_bench is None) != (gguf is None):
+        raise click.UsageError("--llama-bench and --gguf go together")
+    if meshes and llama_bench:
+        raise click.UsageError("--llama-bench does not apply to --mesh")
     with user_errors():
         _check_new_file(json_path, "--json")
         _check_new_file(png_path, "--png")
@@ -149,7 +161,7 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
             return
         with status(f"benchmarking {source}", quiet) as step:
             result = run_bench(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target,
-                               step)
+                               step, llama=(llama_bench, gguf) if llama_bench else None, allow_busy=allow_busy)
         if json_path is not None:
             _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
         if png_path is not None:
@@ -158,16 +170,26 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
 
 
 def table(result: dict) -> str:
-    """The README table: tokens/s per backend and phase, with the ratio to eager."""
+    """The README table: tokens/s per backend and phase, with the ratio to eager (and to llama.cpp, when it ran)."""
+    order = (*BACKENDS, LLAMA)
     names = sorted({n for sec in ("decode", "prefill") for r in result[sec].values() for n in r["tokens_per_s"]},
-                   key=BACKENDS.index)
+                   key=order.index)
     lines = ["| run | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for sec, label in (("decode", "decode b{} (tok/s)"), ("prefill", "prefill T={} (tok/s)")):
         for key, r in result[sec].items():
             cells = []
             for n in names:
-                med, ratio = r["tokens_per_s"][n]["median"], r["vs_eager"][n]
-                cells.append(f"{med:.1f}" + (f" ({ratio:.2f}x)" if ratio is not None and n != "eager" else ""))
+                if n not in r["tokens_per_s"]:
+                    cells.append("–")
+                    continue
+                med, ratio = r["tokens_per_s"][n]["median"], r["vs_eager"].get(n)
+                peer = r.get("vs_llama_cpp", {}).get(n)
+                notes = []
+                if ratio is not None and n not in ("eager", LLAMA):
+                    notes.append(f"{ratio:.2f}x")
+                if peer is not None and n != LLAMA:
+                    notes.append(f"{peer:.2f}x llama.cpp")
+                cells.append(f"{med:.1f}" + (f" ({', '.join(notes)})" if notes else ""))
             lines.append(f"| {label.format(key)} | " + " | ".join(cells) + " |")
     for row in result.get("moe_kernel", []):
         lines.append(f"| MXFP4 experts, {row['tokens']} token(s) x top-{row['top_k']} (ms) | torch fp32 "

@@ -15,10 +15,14 @@ from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
 from k3compile.export import DEFAULT_TOL
 
-__all__ = ["DEFAULT_TOL", "SEED", "THREADS_HELP", "FiniteFloat", "dumps", "parse_ids", "progress", "status",
-           "user_errors"]
+__all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dumps", "parse_ids", "progress",
+           "status", "user_errors"]
 
 EXIT_SIGTERM = 128 + 15
+# docs/architecture.md, "Dense weights"
+DENSE_HELP = ("How the compiled artifact stores its dense matrices: fp32; bf16 (half the bytes, widened in the matmul "
+              "kernels; only matrices that hold bf16 values, as K3's checkpoints and the presets do); auto: bf16 "
+              "where that is exact, else fp32. GPU targets keep fp32.")
 
 
 _NUMBER = re.compile(r"\s*[-+]?[0-9]+\s*")  # what an integer option takes: int() would also take "1_0" and "５"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from k3compile.cli import common
-from k3compile.cli.common import IntRange, dumps, status, user_errors
+from k3compile.cli.common import DENSE_HELP, IntRange, dumps, status, user_errors
+from k3compile.modes import DENSE_CHOICES
 
 
 @click.command("compile")
@@ -13,6 +14,8 @@ from k3compile.cli.common import IntRange, dumps, status, user_errors
 @click.option("-o", "--out", "out", required=True, type=click.Path(file_okay=False),
               help="Artifact folder (written through a temporary folder renamed at the end).")
 @click.option("--target", default="llvm", show_default=True, help="TVM target (llvm: this CPU).")
+@click.option("--dense-weights", "dense", type=click.Choice(DENSE_CHOICES), default="auto", show_default=True,
+              help=DENSE_HELP)
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier k3compile output.")
 @click.option("--dump-ir", "dump_ir", type=click.Path(file_okay=False), default=None,
               help="Write the IR before and after each compile phase (TVMScript) into this new or empty folder.")
@@ -26,7 +29,7 @@ from k3compile.cli.common import IntRange, dumps, status, user_errors
               help="With --mesh: how a stage's ranks join their expert slices (see `k3compile export --help`).")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, overwrite, dump_ir, tune, mesh, dispatch, as_json, quiet):
+def command(folder, out, target, dense, overwrite, dump_ir, tune, mesh, dispatch, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
@@ -35,17 +38,18 @@ def command(folder, out, target, overwrite, dump_ir, tune, mesh, dispatch, as_js
     with user_errors():
         target = resolve(target)  # once, here: the library takes the Target
     if mesh is not None:
-        if dump_ir or tune:
-            raise click.UsageError("--dump-ir and --tune do not apply to --mesh")
+        if dump_ir or tune or dense != "auto":
+            raise click.UsageError("--dump-ir, --tune and --dense-weights do not apply to --mesh (its ranks store "
+                                   "bf16 matrices where that is exact)")
         return _compile_sharded(folder, out, target, overwrite, mesh, dispatch, as_json, quiet)
     with user_errors(), status(f"compiling {folder}", quiet) as step:
         manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir,
-                                  tune=tune)
+                                  tune=tune, dense=dense)
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
-        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
-                   f"compiled in {manifest['compile_s']:.1f} s")
+        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
+                   f"({manifest['dense_weights']} matrices), compiled in {manifest['compile_s']:.1f} s")
         for row in manifest.get("tuning", {}).get("functions", []):
             tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"
             click.echo(f"  decode {row['function']} (x{row['calls']}): hand {row['hand_us']:.1f} us, tuned {tuned}: "

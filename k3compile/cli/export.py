@@ -5,9 +5,19 @@ from __future__ import annotations
 import click
 
 from k3compile.cli import common
-from k3compile.cli.common import DEFAULT_TOL, SEED, THREADS_HELP, FiniteFloat, IntRange, dumps, status, user_errors
+from k3compile.cli.common import (
+    DEFAULT_TOL,
+    DENSE_HELP,
+    SEED,
+    THREADS_HELP,
+    FiniteFloat,
+    IntRange,
+    dumps,
+    status,
+    user_errors,
+)
 from k3compile.config import EXPERT_CHOICES
-from k3compile.modes import ACT_QUANT_FLAGS
+from k3compile.modes import ACT_QUANT_FLAGS, DENSE_CHOICES
 from k3compile.presets import DEFAULT_PRESET
 
 
@@ -31,6 +41,8 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--target", default=None,
               help="Also compile with TVM for this target (llvm: this CPU): OUT is then the compiled artifact "
                    "(`k3compile compile`'s OUT, holding the ONNX too).")
+@click.option("--dense-weights", "dense", type=click.Choice(DENSE_CHOICES), default="auto", show_default=True,
+              help="With --target: " + DENSE_HELP)
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Shard over this device mesh: OUT holds one library and weight file per rank and a manifest with "
                    "the plan and each rank's step schedule; run it with `k3compile run OUT` (target llvm).")
@@ -42,7 +54,7 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--json", "as_json", is_flag=True, help="Print export.json (with --target: manifest.json) on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, out, weights, activations, opset, weight_seed, seed_alias, overwrite, tolerance, no_verify,
-            target, mesh, dispatch, threads, as_json, quiet):
+            target, dense, mesh, dispatch, threads, as_json, quiet):
     """Trace SOURCE with torch.export and write OUT/model.onnx with k3 custom ops, config.json and export.json.
 
     The graph serves prefill and decode (dynamic batch, new tokens and past length). OUT is written through a
@@ -59,6 +71,8 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
         raise click.UsageError("--seed is the old name of --weight-seed; give one of them")
     seed = weight_seed if weight_seed is not None else (seed_alias or 0)
     record = sources.record(source, seed, weights)
+    if dense != "auto" and (target is None or mesh is not None):
+        raise click.UsageError("--dense-weights applies to a compiled artifact: give --target (not with --mesh)")
     if mesh is not None:
         return _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite,
                                threads, as_json, quiet, dispatch)
@@ -73,7 +87,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
             use_threads(threads or default_threads(model.config))
             if target is not None:
                 return _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify,
-                                           tolerance, threads, as_json, quiet, step)
+                                           tolerance, threads, as_json, quiet, step, dense=dense)
             doc = export_checked(model, out, opset=opset, activations=activations, overwrite=overwrite,
                                  verify_parity=not no_verify, tolerance=tolerance, threads=threads, source=record,
                                  progress=step)
@@ -91,7 +105,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
 
 
 def _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify, tolerance, threads,
-                        as_json, quiet, step):
+                        as_json, quiet, step, dense="auto"):
     """Export into a temporary folder (removed after, whatever happens), then compile it into OUT."""
     import shutil
     import tempfile
@@ -104,14 +118,15 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
     try:
         export_checked(model, scratch / "export", opset=opset, activations=activations, verify_parity=not no_verify,
                        tolerance=tolerance, threads=threads, source=record, progress=step)
-        manifest = compile_export(scratch / "export", out, target=target, overwrite=overwrite, progress=step)
+        manifest = compile_export(scratch / "export", out, target=target, overwrite=overwrite, progress=step,
+                                  dense=dense)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
-        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights, "
-                   f"compiled in {manifest['compile_s']:.1f} s")
+        click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
+                   f"({manifest['dense_weights']} matrices), compiled in {manifest['compile_s']:.1f} s")
 
 
 def _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite, threads, as_json, quiet,

@@ -158,7 +158,9 @@ class K3ForCausalLM(nn.Module):
 @torch.no_grad()
 def init_weights(model: K3ForCausalLM, seed: int = 0, std: float = 0.02) -> K3ForCausalLM:
     """Seeded random init (deterministic across runs and machines): normal(std) matrices, unit norms, the KDA
-    gate parameters as FLA initializes them, MXFP4 experts quantized from a normal(std) float draw."""
+    gate parameters as FLA initializes them, MXFP4 experts quantized from a normal(std) float draw. Every float
+    parameter holds a bf16 value, as K3's checkpoints ship (docs/model.md, "Presets"): the draw is rounded to bf16
+    (round to nearest even), kept in fp32."""
     from k3compile.quant.mx import quantize_mxfp4  # quant is a leaf package; no export code enters the model
 
     gen = torch.Generator().manual_seed(seed)
@@ -178,6 +180,7 @@ def init_weights(model: K3ForCausalLM, seed: int = 0, std: float = 0.02) -> K3Fo
             p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         else:
             p.copy_(normal(p.shape))
+        p.copy_(p.to(torch.bfloat16))
     for mod in model.modules():
         experts = getattr(mod, "experts", None)
         if experts is not None and getattr(experts, "mxfp4", False):

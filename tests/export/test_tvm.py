@@ -210,6 +210,30 @@ def test_artifact_holds_what_the_manifest_lists(tvm_artifact):
     assert read_manifest(out) == manifest and manifest["target"] == "llvm" and len(manifest["params"]) > 100
 
 
+def test_dense_matrices_are_stored_as_the_model_holds_them_in_bf16(tiny_export, tvm_artifact):
+    """A preset holds bf16 values (as K3 ships), so `auto` stores its matrices' bf16 bits: every uint16 weight of
+    the artifact is one of the model's 2-D weights, re-laid in [N/64, K, 64] panels, with exactly the upper 16 bits
+    of its fp32 values (torch's own bf16 of them: the cut is exact)."""
+    from safetensors.numpy import load_file
+
+    manifest, out = tvm_artifact
+    assert manifest["dense_weights"] == "bf16"
+    stored = [w for w in load_file(str(out / "weights.safetensors")).values() if w.dtype == np.uint16]
+    model = tiny_export[0]
+    matrices = {}
+    for name, p in model.state_dict().items():
+        if p.dim() == 2 and p.dtype == torch.float32:
+            for m in (p, p.t()):  # a Linear's [N, K] as the exporter's [K, N]
+                bits = m.contiguous().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                k, n = bits.shape
+                if n % 64 == 0:
+                    matrices.setdefault(bits.tobytes(), name)  # keyed by content: a relayout below must match
+                    panels = bits.reshape(k, n // 64, 64).transpose(1, 0, 2)
+                    matrices.setdefault(np.ascontiguousarray(panels).tobytes(), name)
+    assert len(stored) >= 10
+    assert all(w.tobytes() in matrices for w in stored), "a uint16 weight that is no model matrix's bf16 panels"
+
+
 def test_artifact_equals_eager(tiny_export, tvm_artifact):
     model = tiny_export[0]
     backend = TvmBackend(tvm_artifact[1])  # loaded, not compiled: the weights come from weights.safetensors
@@ -362,6 +386,48 @@ def test_tvm_equals_eager_with_float_experts(tmp_path):
     assert "call_dps_packed" not in main and "R.call_tir(k3_latent_moe_dispatch_8_32_32_0_situ" in main
     rows = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=2, prompts=PROMPTS)
     assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
+
+
+def test_dense_weights_fp32_and_bf16_refusals(tmp_path, tiny_export, tvm_artifact):
+    """`--dense-weights fp32` stores the same matrices in fp32 (twice the bytes) and equals eager too; bf16 on a
+    model whose matrices do not hold bf16 values is refused naming one (cutting them would change the model), where
+    `auto` keeps fp32; a GPU target refuses bf16 (its kernels read fp32)."""
+    from k3compile.targets import resolve
+    from safetensors.numpy import load_file
+
+    from k3compile.compile import build, compile_export, dense_target
+    from k3compile.pipeline import export_checked
+    from k3compile.source import load_model
+
+    model, folder, _ = tiny_export
+    manifest = compile_export(folder, tmp_path / "fp32", dense="fp32")
+    assert manifest["dense_weights"] == "fp32"
+    wide, narrow = (load_file(str(d / "weights.safetensors")) for d in (tmp_path / "fp32", tvm_artifact[1]))
+    assert not any(w.dtype == np.uint16 for w in wide.values())
+    nbytes = {d: sum(w.nbytes for w in ws.values() if w.dtype in (np.float32, np.uint16)) for d, ws in
+              (("fp32", wide), ("bf16", narrow))}
+    dense = sum(w.nbytes for w in narrow.values() if w.dtype == np.uint16)
+    assert nbytes["fp32"] - nbytes["bf16"] == dense  # each uint16 matrix is half its fp32 copy
+    rows = compare(EagerBackend(model, Forms.exported()), TvmBackend(tmp_path / "fp32"), decode_steps=2,
+                   prompts=PROMPTS)
+    assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
+
+    odd = load_model("k3-tiny", seed=3)
+    with torch.no_grad():
+        odd.lm_head.weight.add_(1e-3 * torch.randn_like(odd.lm_head.weight))  # fp32 values, no longer bf16
+    export_checked(odd, tmp_path / "odd", verify_parity=False, source={"source": "k3-tiny", "seed": 3,
+                                                                      "experts": "auto"})
+    with pytest.raises(ExportError, match="--dense-weights bf16: weight .* bf16 cannot represent exactly"):
+        build(tmp_path / "odd", resolve("llvm"), dense="bf16", executable=False)
+    r = run("compile", tmp_path / "odd", "-o", tmp_path / "odd-bf16", "--dense-weights", "bf16")
+    one_line_error(r, "bf16 cannot represent exactly")
+    assert not (tmp_path / "odd-bf16").exists()
+    backend = TvmBackend(tmp_path / "odd")  # auto: fp32, and the same model as eager
+    assert str(backend.mod.attrs["k3.dense_format"]) == "fp32"
+    rows = compare(EagerBackend(odd, Forms.exported()), backend, decode_steps=1, prompts=PROMPTS)
+    assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
+    with pytest.raises(ExportError, match="target 'opencl' reads its dense weights as fp32"):
+        dense_target(resolve("opencl"), [], [], "bf16")
 
 
 def test_export_with_a_target_writes_the_artifact(tmp_path):
