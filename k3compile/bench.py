@@ -294,7 +294,7 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
     (w13, s13), (w2, s2) = (quantize_mxfp4(torch.randn(e, 2 * i, d, generator=gen) * 0.05),
                             quantize_mxfp4(torch.randn(e, d, i, generator=gen) * 0.05))
     f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
-    lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0).with_attr(
+    lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0, target=tgt).with_attr(
         "global_symbol", "main")}), target=tgt.tvm())
     packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
     def measure(n: int) -> dict:

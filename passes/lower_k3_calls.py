@@ -224,7 +224,7 @@ def moe_factory(args, target=None, mx: bool = True):
         return _first_columns(y, width, dp)
 
     return Composite(key, {"": lambda: moe_kernel(experts, ip, dp, offset, activation == "situ", beta, linear_beta,
-                                                  act_quant, mx)}, emit)
+                                                  act_quant, mx, target)}, emit)
 
 
 def mxfp4_matmul_factory(args, target=None):

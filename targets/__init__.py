@@ -81,6 +81,15 @@ class Target:
             return lowering()
         return contextlib.nullcontext()
 
+    def has_feature(self, name: str) -> bool:
+        """Whether this CPU target's code may use the LLVM CPU feature `name` (e.g. "avx512bw"): its CPU has it and
+        the target does not turn it off (host_cpu)."""
+        if self.kind != "llvm":
+            return False
+        from tvm.target import codegen
+
+        return name in {str(f) for f in codegen.llvm_get_cpu_features(self.tvm())}
+
     def with_dense(self, fmt: str) -> Target:
         """This target storing its dense panels as `fmt` (a modes.DenseFormat value)."""
         from k3compile.modes import DenseFormat

@@ -43,20 +43,34 @@ def column_tile(n: int) -> int:
 
 
 def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float,
-               act_quant: str = "none", mx: bool = True):
+               act_quant: str = "none", mx: bool = True, target=None):
     """The kernel for the sizes and attributes of one call; `mx`: MXFP4 experts ("kn" layout), else float32 experts
-    [E, D, 2I] / [E, I, D] (the two scale arguments then one-byte placeholders, never read)."""
+    [E, D, 2I] / [E, I, D] (the two scale arguments then one-byte placeholders, never read). `target` (a CPU
+    Target): where it can look E2M1 codes up in a register (kernels/mx.py: PSHUFB), decode's GEMVs do, a column tile
+    at a time; the result is the same bit for bit."""
     from tvm import tirx
     from tvm.script import tirx as T
 
-    from k3compile.kernels.mx import e8m0, fake_quant_block, fp4
+    from k3compile.kernels.mx import e8m0, fake_quant_block, fp4, fp4_table_lanes, fp4_twice, fp4_twice_x
     from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
     d2, i2, dblk, iblk = width // 2, inter // 2, width // 32, inter // 32
     ta, tb, td = column_tile(2 * inter), column_tile(inter), column_tile(width)  # column tiles of the three loops
     na, nb, nd = 2 * inter // ta, inter // tb, width // td
+    la, ld = (fp4_table_lanes(target, t) if mx else 0 for t in (ta, td))  # lookup lanes of the two GEMVs (0: none)
+    table_a, table_d = la > 0, ld > 0  # (the script's static conditions must be Python booleans)
 
     wtype = "uint8" if mx else "float32"
+
+    def looked(W, Tab, e, row, col0, lanes: int, high: int):
+        """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes), from the table."""
+        return fp4_twice_x(W[e, row, tirx.Ramp(col0, 1, lanes)], Tab[tirx.Ramp(0, 1, lanes)], lanes, high)
+
+    def vec(B, base, lanes: int):
+        return B[tirx.Ramp(base, 1, lanes)]
+
+    def bcast(x, lanes: int):
+        return tirx.Broadcast(x, lanes)
 
     def elem(W, e, b, p, col, high: int):
         """Row 32 b + 2 p + high of expert e's weight (a column of the output): an E2M1 nibble, or a float."""
@@ -93,61 +107,91 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
             for zb in T.parallel(N * dblk):
                 quant(Z, Zq, zb // dblk, zb % dblk * 32)
         Zs = T.meta_var(Zq if quantize else Z)
-        if N < GROUPED_MIN_TOKENS:  # decode: per-token GEMVs on the k routed experts
-            H = T.alloc_buffer((N, 2 * inter), "float32")
-            for nt in T.parallel(N * nd):
-                for v in T.vectorized(td):
-                    Y[nt // nd, nt % nd * td + v] = T.float32(0)
-            for j in range(K):
-                for nt in T.parallel(N * na):  # h = W13[e] · z, tile of ta columns
-                    acc = T.alloc_buffer((ta,), "float32", scope="local")
-                    blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
-                    for v in T.vectorized(ta):
-                        acc[v] = T.float32(0)
-                    if Idx[nt // na, j] >= offset and Idx[nt // na, j] < offset + experts:
+        if N < GROUPED_MIN_TOKENS:  # decode: each routed (token, slot) pair's two GEMVs on its expert
+            H = T.alloc_buffer((N * K, 2 * inter), "float32")
+            Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output
+            Tab = T.alloc_buffer((64,), "int8")  # the E2M1 lookup table (fp4_twice), for the GEMVs that use it
+            if table_a or table_d:
+                for i in range(64):
+                    Tab[i] = fp4_twice(i)
+            for f in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV)
+                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+                    for t in range(na):  # h = W13[e] · z, tile of ta columns
+                        acc = T.alloc_buffer((ta,), "float32", scope="local")
+                        blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
+                        for v in T.vectorized(ta):
+                            acc[v] = T.float32(0)
                         for b in range(dblk):
                             for v in T.vectorized(ta):
                                 blk_acc[v] = T.float32(0)
-                            for p in range(16):
+                            if table_a:  # twice the values from the table; the scale halved
+                                for p in range(16):
+                                    blk_acc[T.Ramp(0, 1, la)] = vec(blk_acc, 0, la) + looked(
+                                        W13, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * ta, la, 0) * bcast(
+                                        Zs[f // K, b * 32 + 2 * p], la) + looked(
+                                        W13, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * ta, la, 1) * bcast(
+                                        Zs[f // K, b * 32 + 2 * p + 1], la)
                                 for v in T.vectorized(ta):
-                                    blk_acc[v] = blk_acc[v] + elem(
-                                        W13, Idx[nt // na, j] - offset, b, p, nt % na * ta + v, 0) * Zs[
-                                        nt // na, b * 32 + 2 * p] + elem(
-                                        W13, Idx[nt // na, j] - offset, b, p, nt % na * ta + v, 1) * Zs[
-                                        nt // na, b * 32 + 2 * p + 1]
-                            for v in T.vectorized(ta):
-                                acc[v] = acc[v] + blk_acc[v] * scale(S13, Idx[nt // na, j] - offset, b,
-                                                                     nt % na * ta + v)
-                    for v in T.vectorized(ta):
-                        H[nt // na, nt % na * ta + v] = acc[v]
-                for nt in T.parallel(N * nb):  # the activation, in place in the gate half
-                    for v in T.vectorized(tb):
-                        H[nt // nb, nt % nb * tb + v] = act(H[nt // nb, nt % nb * tb + v],
-                                                            H[nt // nb, inter + nt % nb * tb + v])
-                if quantize:  # and of the activation, 32-wide blocks along I
-                    for hb in T.parallel(N * iblk):
-                        quant(H, H, hb // iblk, hb % iblk * 32)
-                for nt in T.parallel(N * nd):  # y += w · W2[e] · act, tile of td columns
-                    acc = T.alloc_buffer((td,), "float32", scope="local")
-                    blk_acc = T.alloc_buffer((td,), "float32", scope="local")
-                    if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                                    acc[v] = acc[v] + blk_acc[v] * (scale(S13, Idx[f // K, f % K] - offset, b,
+                                                                          t * ta + v) * T.float32(0.5))
+                            else:
+                                for p in range(16):
+                                    for v in T.vectorized(ta):
+                                        blk_acc[v] = blk_acc[v] + elem(
+                                            W13, Idx[f // K, f % K] - offset, b, p, t * ta + v, 0) * Zs[
+                                            f // K, b * 32 + 2 * p] + elem(
+                                            W13, Idx[f // K, f % K] - offset, b, p, t * ta + v, 1) * Zs[
+                                            f // K, b * 32 + 2 * p + 1]
+                                for v in T.vectorized(ta):
+                                    acc[v] = acc[v] + blk_acc[v] * scale(S13, Idx[f // K, f % K] - offset, b,
+                                                                         t * ta + v)
+                        for v in T.vectorized(ta):
+                            H[f, t * ta + v] = acc[v]
+                    for t in range(nb):  # the activation, in place in the gate half
+                        for v in T.vectorized(tb):
+                            H[f, t * tb + v] = act(H[f, t * tb + v], H[f, inter + t * tb + v])
+                    if quantize:  # and of the activation, 32-wide blocks along I
+                        for hb in range(iblk):
+                            quant(H, H, f, hb * 32)
+                    for t in range(nd):  # o = w · W2[e] · act, tile of td columns
+                        acc = T.alloc_buffer((td,), "float32", scope="local")
+                        blk_acc = T.alloc_buffer((td,), "float32", scope="local")
                         for v in T.vectorized(td):
                             acc[v] = T.float32(0)
                         for b in range(iblk):
                             for v in T.vectorized(td):
                                 blk_acc[v] = T.float32(0)
-                            for p in range(16):
+                            if table_d:  # as above
+                                for p in range(16):
+                                    blk_acc[T.Ramp(0, 1, ld)] = vec(blk_acc, 0, ld) + looked(
+                                        W2, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * td, ld, 0) * bcast(
+                                        H[f, b * 32 + 2 * p], ld) + looked(
+                                        W2, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * td, ld, 1) * bcast(
+                                        H[f, b * 32 + 2 * p + 1], ld)
                                 for v in T.vectorized(td):
-                                    blk_acc[v] = blk_acc[v] + elem(
-                                        W2, Idx[nt // nd, j] - offset, b, p, nt % nd * td + v, 0) * H[
-                                        nt // nd, b * 32 + 2 * p] + elem(
-                                        W2, Idx[nt // nd, j] - offset, b, p, nt % nd * td + v, 1) * H[
-                                        nt // nd, b * 32 + 2 * p + 1]
-                            for v in T.vectorized(td):
-                                acc[v] = acc[v] + blk_acc[v] * scale(S2, Idx[nt // nd, j] - offset, b,
-                                                                     nt % nd * td + v)
+                                    acc[v] = acc[v] + blk_acc[v] * (scale(S2, Idx[f // K, f % K] - offset, b,
+                                                                          t * td + v) * T.float32(0.5))
+                            else:
+                                for p in range(16):
+                                    for v in T.vectorized(td):
+                                        blk_acc[v] = blk_acc[v] + elem(
+                                            W2, Idx[f // K, f % K] - offset, b, p, t * td + v, 0) * H[
+                                            f, b * 32 + 2 * p] + elem(
+                                            W2, Idx[f // K, f % K] - offset, b, p, t * td + v, 1) * H[
+                                            f, b * 32 + 2 * p + 1]
+                                for v in T.vectorized(td):
+                                    acc[v] = acc[v] + blk_acc[v] * scale(S2, Idx[f // K, f % K] - offset, b,
+                                                                         t * td + v)
                         for v in T.vectorized(td):
-                            Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Wt[nt // nd, j] * acc[v]
+                            Po[f, t * td + v] = Wt[f // K, f % K] * acc[v]
+            for nt in T.parallel(N * nd):  # y = the pairs' outputs summed in slot order (outside the slice: none)
+                for v in T.vectorized(td):
+                    Y[nt // nd, nt % nd * td + v] = T.float32(0)
+                for j in range(K):
+                    if Idx[nt // nd, j] >= offset and Idx[nt // nd, j] < offset + experts:
+                        for v in T.vectorized(td):
+                            Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Po[
+                                nt // nd * K + j, nt % nd * td + v]
 
         else:  # prefill: the routed (token, slot) pairs grouped by expert, each weight tile decoded once
             cnt = T.alloc_buffer((experts + 1,), "int64")

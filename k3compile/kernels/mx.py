@@ -35,6 +35,45 @@ def fp4(byte, high: int):
     return _fp4_code(tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8")))
 
 
+# In-register lookup of E2M1 codes (docs/mx.md, "Decoding on the CPU"): x86's byte shuffle (pshufb) reads a
+# 16-entry table per 128-bit lane, indexed by each byte's low 4 bits; a vector of `lanes` weight bytes (one byte of
+# `lanes` output columns) gives twice each nibble's E2M1 value as int8 ({0, 1, 2, 3, 4, 6, 8, 12} and negatives: all
+# whole), one instruction for `lanes` codes where the arithmetic decode above takes about ten. The halving goes into
+# the block's scale (a power of two: the result is bit for bit the same). Lanes -> (LLVM CPU feature, intrinsic).
+PSHUFB = {64: ("avx512bw", "llvm.x86.avx512.pshuf.b.512"), 32: ("avx2", "llvm.x86.avx2.pshuf.b"),
+          16: ("ssse3", "llvm.x86.ssse3.pshuf.b.128")}
+
+
+def fp4_table_lanes(target, lanes: int) -> int:
+    """`lanes` when `target` (a k3compile Target, or None) is a CPU that can look up `lanes` E2M1 codes at once
+    (PSHUFB), else 0 (the kernel decodes with bit operations)."""
+    if target is None or target.kind != "llvm" or lanes not in PSHUFB:
+        return 0
+    return lanes if target.has_feature(PSHUFB[lanes][0]) else 0
+
+
+def fp4_twice(i):
+    """Entry i (an integer expression, 0..63) of the lookup table: twice the E2M1 value of code i % 16, as int8."""
+    from tvm import tirx
+
+    code = tirx.Cast("uint8", tirx.floormod(i, 16))
+    return tirx.Cast("int8", _fp4_code(code) * tirx.const(2.0, "float32"))
+
+
+def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int):
+    """Twice the E2M1 values of the low (high=0) or high (high=1) nibbles of `byte_vec` (uint8 x lanes), looked up in
+    `table_vec` (int8 x lanes, fp4_twice of 0..lanes-1), as float32 x lanes."""
+    from tvm import tirx
+
+    if high:
+        nib = tirx.shift_right(byte_vec, tirx.Broadcast(tirx.const(4, "uint8"), lanes))
+    else:
+        nib = tirx.bitwise_and(byte_vec, tirx.Broadcast(tirx.const(15, "uint8"), lanes))
+    looked = tirx.call_llvm_pure_intrin(f"int8x{lanes}", PSHUFB[lanes][1], table_vec,
+                                        tirx.reinterpret(f"int8x{lanes}", nib))
+    return tirx.Cast(f"float32x{lanes}", looked)
+
+
 def _u32(value):
     """A uint32 shift amount from a Python int or an integer expression."""
     from tvm import tirx

@@ -140,13 +140,14 @@ def _moe_inputs(n, d, i, e, k, high, seed):
     return [z, idx, w, w13, w2, s13, s2]
 
 
-def _run_moe(args, e, i, d, offset, activation, act_quant="none"):
+def _run_moe(args, e, i, d, offset, activation, act_quant="none", target=None):
     from k3compile.targets import resolve
 
     from k3compile.kernels.moe import moe_kernel
 
     mx = len(args) == 7
-    f = moe_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant, mx).with_attr("global_symbol", "main")
+    f = moe_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant, mx, target).with_attr(
+        "global_symbol", "main")
     y = tvm.runtime.empty((args[0].shape[0], d), "float32")
     # the kernel reads the CPU target's "kn" layout: [E, rows, cols] -> [E, cols, rows]
     feeds = [x.numpy() for x in args[:3]] + [np.ascontiguousarray(x.numpy().transpose(0, 2, 1)) for x in args[3:]]
@@ -199,6 +200,37 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
     want = latent_moe_dispatch(*args, None, None, offset, "situ", 4.0, 25.0, act_quant).numpy()
     # fp32, products summed in another order (the quantized activations bit-exact)
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
+    (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32
+    (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5)
+    (2, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations
+])
+def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant):
+    """On a CPU with byte shuffles (kernels/mx.py: PSHUFB), decode's GEMVs look the E2M1 codes up in a register;
+    the output is the arithmetic decode's bit for bit (twice the values, half the scale: powers of two) and the
+    op's within fp32 summation order. A NaN scale block still poisons its token."""
+    from k3compile.targets import resolve
+
+    from k3compile.kernels.moe import column_tile
+    from k3compile.kernels.mx import fp4_table_lanes
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    cpu = resolve()
+    lanes = [fp4_table_lanes(cpu, column_tile(t)) for t in (2 * i, d)]
+    if not any(lanes):
+        pytest.skip("this CPU has no byte shuffle the kernel uses")
+    args = _moe_inputs(n, d, i, e, k, high=offset + e + 1, seed=50 + n)
+    args[5] = args[5].clone()
+    args[5][0, 0, 0] = 0xFF  # a NaN block in expert 0's first gate row
+    table = _run_moe(args, e, i, d, offset, activation, act_quant, target=cpu)
+    arithmetic = _run_moe(args, e, i, d, offset, activation, act_quant)
+    assert table.tobytes() == arithmetic.tobytes()
+    want = latent_moe_dispatch(*args, offset, activation, 4.0, 25.0, act_quant).numpy()
+    np.testing.assert_array_equal(np.isnan(table), np.isnan(want))
+    # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
+    np.testing.assert_allclose(table, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cases_above_cover_both_kernel_paths():
