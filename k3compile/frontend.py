@@ -14,6 +14,9 @@ module-level `_get_convert_map()` for the duration of one import (restored after
     so the extent came out as INT64_MAX - start; the bound becomes the dimension itself.
   * `Gather` (the embedding lookup) as a take in mode "clip" rather than TVM's default "fast", whose legalization
     prints "Fast mode segfaults when there are out-of-bounds indices" on every compile (`_take_clipped`).
+  * `Einsum` as Relax's `einsum` op rather than the importer's TE call: its subscripts stay visible, so phase 5 can
+    give MLA's score contraction a kernel of its own (passes/lower_attention.py); LegalizeOps lowers the others to
+    the same TE the importer wrote.
 Model-local function bodies are never read (the k3 converters replace them).
 """
 
@@ -31,7 +34,7 @@ def _fixed_converters(base: dict) -> dict:
     import tvm
     from tvm import relax
 
-    reshape, slice_, gather = base["Reshape"], base["Slice"], base["Gather"]
+    reshape, slice_, gather, einsum = base["Reshape"], base["Slice"], base["Gather"], base["Einsum"]
 
     class Reshape(reshape):
         @classmethod
@@ -61,7 +64,12 @@ def _fixed_converters(base: dict) -> dict:
         def _impl_v13(cls, bb, inputs, attr, params):
             return _take_clipped(gather._impl_v13(bb, inputs, attr, params))
 
-    return {"Reshape": Reshape, "Slice": Slice, "Gather": Gather}
+    class Einsum(einsum):
+        @classmethod
+        def _impl_v12(cls, bb, inputs, attr, params):
+            return relax.op.einsum(list(inputs), attr["equation"].decode("utf-8"))
+
+    return {"Reshape": Reshape, "Slice": Slice, "Gather": Gather, "Einsum": Einsum}
 
 
 def _take_clipped(expr):

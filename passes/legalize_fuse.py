@@ -1,8 +1,9 @@
-"""Phase 4: the standard Relax ops become TIR PrimFuncs, fused (docs/architecture.md, "The compile path").
+"""Phase 5: the standard Relax ops become TIR PrimFuncs, fused (docs/architecture.md, "The compile path").
 
 The target's library dispatch (top-k as a sort kernel), then LegalizeOps, AnnotateTIROpPattern, FoldConstant,
 FuseOps and FuseTIR: an elementwise chain, or a matmul and its elementwise epilogue, becomes one PrimFunc with one
-block per op, which phase 5 schedules. The k3 kernels of phase 1 are opaque to fusion and stay as they are.
+block per op, which phase 6 schedules. The k3 kernels of phase 1 are opaque to fusion and stay as they are. On CPU
+targets MLA's score einsums are legalized first, to k3compile's own kernel (passes/lower_attention.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 def legalize_fuse(target):
     """The pass for `target` (a k3compile.targets.Target)."""
     import tvm
+    from k3compile.passes.lower_attention import lower_attention
     from tvm import relax
 
     tvm_target = target.tvm()
@@ -19,6 +21,6 @@ def legalize_fuse(target):
     @tvm.transform.module_pass(opt_level=0, name="K3LegalizeFuse")
     def run(mod, ctx):
         with tvm_target:
-            return tvm.transform.Sequential(passes)(mod)
+            return tvm.transform.Sequential([lower_attention(target), *passes])(mod)
 
     return run

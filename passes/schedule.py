@@ -1,4 +1,4 @@
-"""Phase 5: every PrimFunc gets the target's schedule (docs/toolchain.md, "CPU schedules").
+"""Phase 6: every PrimFunc gets the target's schedule (docs/toolchain.md, "CPU schedules").
 
 For each PrimFunc of the module not already marked `tirx.is_scheduled` (the k3 kernels, written scheduled), the
 target's `schedule_func` returns it scheduled; the result is marked scheduled.

@@ -7,6 +7,7 @@ TVM's "Fast mode" warning. No export or compile here: the bench's builds are stu
 from __future__ import annotations
 
 import json
+import os
 import time
 from functools import cache
 
@@ -352,3 +353,74 @@ def test_every_number_option_takes_ascii_digits_only(args):
     r = run(*args)
     assert r.exit_code == 2 and not crashed(r), r.output
     assert "ASCII digits" in r.output and len(r.output) < 1000
+
+
+# ---- bench beside llama.cpp (k3compile/llama_bench.py), with stand-ins for its tools -------------------------------
+
+def _fake_tool(path, body: str):
+    """An executable stand-in for one of llama.cpp's tools: it records its arguments, then runs `body` (sh)."""
+    path.write_text(f'#!/bin/sh\necho "$@" >> "{path}.args"\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
+HELP = 'case "$1" in --help) echo "  -d, --n-depth <n>"; exit 0;; esac'
+
+
+def test_llama_bench_runs_its_tools_with_our_threads_and_reads_their_json(tmp_path):
+    from k3compile.llama_bench import LlamaBench, PeerError
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    bench = _fake_tool(tmp_path / "llama-bench", HELP + '\necho "log line"\necho \'[{"avg_ts": 12.5}]\'')
+    peer = LlamaBench(bench, gguf, 2)
+    assert peer.batched is None and peer.decode(8, 32, 16) is None  # no llama-batched-bench beside it
+    assert peer.decode(1, 32, 16) == 12.5 and peer.prefill(512) == 12.5
+    runs = [line.split() for line in (tmp_path / "llama-bench.args").read_text().splitlines()[1:]]
+    assert all(r[:4] == ["-m", str(gguf), "-t", "2"] and ["-r", "1"] == r[r.index("-r"):r.index("-r") + 2]
+               for r in runs)
+    decode, prefill = (dict(zip(r[4::2], r[5::2])) for r in runs)
+    assert decode == {"-p": "0", "-n": "32", "-d": "16", "-r": "1", "-o": "json"}
+    assert prefill == {"-p": "512", "-n": "0", "-d": "0", "-r": "1", "-o": "json"}
+
+    _fake_tool(tmp_path / "llama-batched-bench", 'echo \'{"pl": 8, "speed_tg": 99.0}\'')
+    peer = LlamaBench(bench, gguf, 2)
+    assert peer.decode(8, 32, 16) == 99.0
+    args = (tmp_path / "llama-batched-bench.args").read_text().split()
+    assert args[args.index("-npl") + 1] == "8" and args[args.index("-ntg") + 1] == "32"
+
+    _fake_tool(bench, HELP + '\necho "failed to load model" >&2; exit 3')
+    with pytest.raises(PeerError, match="exit 3.*failed to load model"):
+        LlamaBench(bench, gguf, 2).prefill(512)
+    _fake_tool(bench, HELP + "\necho 'no json here'")
+    with pytest.raises(PeerError, match="no JSON result"):
+        LlamaBench(bench, gguf, 2).prefill(512)
+    with pytest.raises(PeerError, match="--gguf .*no such file"):
+        LlamaBench(bench, tmp_path / "missing.gguf", 2)
+    with pytest.raises(PeerError, match="not a llama-bench"):
+        LlamaBench(_fake_tool(tmp_path / "other", "echo hello"), gguf, 2)
+
+
+def test_bench_with_llama_cpp_is_refused_before_work_when_its_tools_are_not_there(no_work, tmp_path):
+    r = run("bench", "--llama-bench", tmp_path / "nothing")
+    assert r.exit_code == 2 and "--llama-bench and --gguf go together" in r.output
+    refused_before_work(run("bench", "--llama-bench", tmp_path / "nothing", "--gguf", tmp_path / "x.gguf"),
+                        "--llama-bench")
+    r = run("bench", "--mesh", "ep=2", "--llama-bench", tmp_path / "a", "--gguf", tmp_path / "b")
+    assert r.exit_code == 2 and "does not apply to --mesh" in r.output
+
+
+def test_a_busy_machine_is_refused(monkeypatch):
+    from k3compile import llama_bench
+
+    monkeypatch.setattr(llama_bench, "busy_cores", lambda seconds=2.0: 1.4)
+    with pytest.raises(llama_bench.PeerError, match="not quiet before the measurements: other processes kept 1.40"):
+        llama_bench.check_quiet("before the measurements")
+    monkeypatch.setattr(llama_bench, "busy_cores", lambda seconds=2.0: 0.1)
+    assert llama_bench.check_quiet("after") == 0.1
+
+
+def test_busy_cores_reads_the_machine():
+    from k3compile.llama_bench import busy_cores
+
+    assert 0.0 <= busy_cores(0.2) <= (os.cpu_count() or 1) + 0.01
