@@ -15,7 +15,7 @@ Sections:
 - prefill: tokens/s of one prompt of T tokens (batch 1);
 - moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
   same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
-  neither reads from a warm cache only;
+  neither reads from a warm cache only; with the bytes of the experts a call reads over its time (GB/s);
 - kda: the TVM KDA kernels (chunked, and the token-by-token recurrence) as T doubles (time per token should
   stay flat: linear in T);
 - opencl_profile (with the opencl backend): decode at batch 1 on the OpenCL executor with a profiling queue, the
@@ -297,6 +297,7 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
     lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0, target=tgt).with_attr(
         "global_symbol", "main")}), target=tgt.tvm())
     packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
+    expert_bytes = sum(x[0].numel() for x in (w13, w2, s13, s2))  # uint8 codes and scale bytes of one expert
     def measure(n: int) -> dict:
         z = torch.randn(n, d, generator=gen)
         w = torch.rand(n, k, generator=gen)
@@ -326,9 +327,11 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
                     fn(r)
                 times[name].append((time.perf_counter() - t) / len(routes))
         med = {name: _median(v) for name, v in times.items()}
+        # the packed bytes of the experts the routes name (codes + scales), each read once a call
+        read = float(np.mean([len(set(r.flatten().tolist())) for r in routes])) * expert_bytes
         return {"tokens": n, "experts": e, "top_k": k, "width": d, "inter": i,
-                     "tvm_mxfp4_ms": med["tvm_mxfp4"] * 1e3, "torch_fp32_ms": med["torch_fp32"] * 1e3,
-                     "speedup": med["torch_fp32"] / med["tvm_mxfp4"]}
+                "tvm_mxfp4_ms": med["tvm_mxfp4"] * 1e3, "torch_fp32_ms": med["torch_fp32"] * 1e3,
+                "speedup": med["torch_fp32"] / med["tvm_mxfp4"], "tvm_gb_s": read / med["tvm_mxfp4"] / 1e9}
 
     rows = [measure(n) for n in tokens]
     return rows

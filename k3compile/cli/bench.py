@@ -193,7 +193,8 @@ def table(result: dict) -> str:
             lines.append(f"| {label.format(key)} | " + " | ".join(cells) + " |")
     for row in result.get("moe_kernel", []):
         lines.append(f"| MXFP4 experts, {row['tokens']} token(s) x top-{row['top_k']} (ms) | torch fp32 "
-                     f"{row['torch_fp32_ms']:.3f} | | TVM {row['tvm_mxfp4_ms']:.3f} ({row['speedup']:.2f}x) |")
+                     f"{row['torch_fp32_ms']:.3f} | | TVM {row['tvm_mxfp4_ms']:.3f} ({row['speedup']:.2f}x, "
+                     f"{row.get('tvm_gb_s', 0):.1f} GB/s) |")
     kda = result.get("kda", [])
     if kda:
         lines.append("| KDA chunked kernel, us/token at T=" + ",".join(str(r["T"]) for r in kda) + " | | | "
