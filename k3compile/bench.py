@@ -13,6 +13,7 @@ memory are measured in a fresh process per backend (a process's peak RSS cannot 
 Sections:
 - decode: tokens/s over `steps` decode steps after a 16-token prompt, batch 1 and 8;
 - prefill: tokens/s of one prompt of T tokens (batch 1);
+- decode_past (`--decode-past`): batch-1 decode after a prompt of P tokens (prefilled in chunks), TVM and llama.cpp;
 - moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
   same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
   neither reads from a warm cache only; with the bytes of the experts a call reads over its time (GB/s);
@@ -43,6 +44,8 @@ from k3compile.llama_bench import QUIET_BOUND
 # executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
 BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels", "webgpu")
 LLAMA = "llama.cpp"  # the peer's rows (k3compile/llama_bench.py), with --llama-bench and --gguf
+PAST_CHUNK = 1024  # tokens per prefill step when building a long past (a step's scores: heads x chunk x past)
+PAST_BACKENDS = ("tvm", LLAMA)  # the backends --decode-past measures (eager and onnxruntime take minutes per past)
 DEVICE_BACKENDS = ("opencl", "opencl-kernels", "webgpu")  # the backends that run a GPU artifact: target by name
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
@@ -56,7 +59,7 @@ def _median(xs: list[float]) -> float:
 
 
 def check_run(config, backends: tuple[str, ...], decode_batches: tuple[int, ...], decode_steps: int,
-              prefill: tuple[int, ...], prompt: int = PROMPT) -> None:
+              prefill: tuple[int, ...], prompt: int = PROMPT, decode_past: tuple[int, ...] = ()) -> None:
     """Refuse, before any build, runs that `config` or this machine cannot hold (docs/architecture.md, "Errors"):
     tokens past max_position_embeddings, or a step that does not fit in memory beside the weights of every backend
     (all are loaded at once; sizing.check_step_fits). Each error line names its option and the limit."""
@@ -77,6 +80,12 @@ def check_run(config, backends: tuple[str, ...], decode_batches: tuple[int, ...]
     for batch in decode_batches:  # the prompt's step, and the last decode step's cache
         check_step_fits(config, f"--decode-batches {batch}", batch, prompt, weights=weights)
         check_step_fits(config, f"--decode-batches {batch}", batch, 1, prompt + steps - 1, weights=weights)
+    for past in decode_past:  # its last prefill chunk after the rest, then the decode steps
+        if past + steps > limit:
+            raise ConfigError(f"--decode-past {past}: a run of {past + steps} positions exceeds {config.name}'s "
+                              f"max_position_embeddings ({limit})")
+        chunk = min(past, PAST_CHUNK)
+        check_step_fits(config, f"--decode-past {past}", 1, chunk, past - chunk, weights=weights)
 
 
 
@@ -200,6 +209,29 @@ def _decode_once(engine, batch: int, steps: int, vocab: int) -> float:
         mask = torch.ones(batch, PROMPT + s + 1, dtype=torch.long)
         _, past = engine.step(torch.randint(3, vocab, (batch, 1), generator=gen), mask, past)
     return batch * steps / (time.perf_counter() - t)
+
+
+def _decode_at_past(engine, past: int, steps: int, vocab: int) -> float:
+    """Tokens/s of `steps` batch-1 decode steps after a prompt of `past` tokens, prefilled in chunks of PAST_CHUNK
+    (the graph takes new tokens after a past, so no step holds scores for the whole prompt at once)."""
+    import torch
+
+    from k3compile.llama_bench import LlamaBench
+
+    if isinstance(engine, LlamaBench):
+        return engine.decode(1, steps, past)
+    gen = torch.Generator().manual_seed(past)
+    state, done = engine.init_past(1), 0
+    while done < past:
+        n = min(PAST_CHUNK, past - done)
+        _, state = engine.step(torch.randint(3, vocab, (1, n), generator=gen),
+                               torch.ones(1, done + n, dtype=torch.long), state)
+        done += n
+    t = time.perf_counter()
+    for s in range(steps):
+        _, state = engine.step(torch.randint(3, vocab, (1, 1), generator=gen),
+                               torch.ones(1, past + s + 1, dtype=torch.long), state)
+    return steps / (time.perf_counter() - t)
 
 
 def _prefill_once(engine, length: int, vocab: int) -> float:
@@ -377,10 +409,12 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
               repeats: int = 5, decode_batches: tuple[int, ...] = (1, 8), decode_steps: int = 8,
               prefill: tuple[int, ...] = (512, 2048), target="llvm",
               progress: Callable[[str], None] | None = None, llama: tuple[str, str] | None = None,
-              allow_busy: bool = False) -> dict:
+              allow_busy: bool = False, decode_past: tuple[int, ...] = ()) -> dict:
     """The bench (the module's docstring). `llama`: (llama-bench's path, a GGUF of the same model) to run llama.cpp
     beside the backends (k3compile/llama_bench.py); the machine must be quiet before and after the measurements
-    (llama_bench.check_quiet) unless `allow_busy`, which records the busy cores and marks the figures."""
+    (llama_bench.check_quiet) unless `allow_busy`, which records the busy cores and marks the figures.
+    `decode_past`: also batch-1 decode after prompts of these lengths, TVM and llama.cpp only (decode cost as the
+    context grows)."""
     import platform
 
     import onnxruntime
@@ -395,7 +429,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     from k3compile.targets import resolve
     from k3compile.threads import available_cores, use_threads
 
-    check_run(load_config(source), backends, decode_batches, decode_steps, prefill)
+    check_run(load_config(source), backends, decode_batches, decode_steps, prefill, decode_past=decode_past)
     step = progress or (lambda msg: None)
     threads = use_threads(threads or available_cores())  # capped at the cores; every backend alike
     peer = LlamaBench(*llama, threads) if llama else None  # checked before any build
@@ -440,6 +474,13 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
             _prefill_once(engine, min(length, 64), vocab)
         rows = _interleaved(engines, repeats, lambda e, n=length: _prefill_any(e, n, vocab))
         result["prefill"][str(length)] = _figures(rows)
+    if decode_past:
+        result["decode_past"] = {}
+        deep = {name: e for name, e in engines.items() if name in PAST_BACKENDS}
+    for past in decode_past:
+        step(f"decode after {past} tokens, batch 1")
+        rows = _interleaved(deep, repeats, lambda e, p=past: _decode_at_past(e, p, decode_steps, vocab))
+        result["decode_past"][str(past)] = _figures(rows)
     del engines, ours
     if "opencl" in folders:
         step("the OpenCL executor's decode, profiled")

@@ -103,6 +103,9 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--prefill", default="512,2048", show_default=True, callback=_sizes,
               help="Prompt lengths of the prefill runs (refused past the model's max_position_embeddings or this "
                    "machine's memory).")
+@click.option("--decode-past", "decode_past", default=None, callback=lambda c, p, v: _sizes(c, p, v) if v else (),
+              help="Also decode at batch 1 after prompts of these lengths, e.g. 64,8192 (TVM and llama.cpp only: "
+                   "decode cost as the context grows).")
 @click.option("--target", default="llvm", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write the results as JSON to this file (a new file, in a folder that exists).")
@@ -123,8 +126,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="Report even when other processes keep the machine busy (the figures are then marked); by "
                    "default the bench refuses past 0.25 busy cores before or after measuring.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target, json_path, png_path,
-            meshes, dispatches, llama_bench, gguf, allow_busy, quiet):
+def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, decode_past, target, json_path,
+            png_path, meshes, dispatches, llama_bench, gguf, allow_busy, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
@@ -161,7 +164,8 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
             return
         with status(f"benchmarking {source}", quiet) as step:
             result = run_bench(source, backends, threads, repeats, decode_batches, decode_steps, prefill, target,
-                               step, llama=(llama_bench, gguf) if llama_bench else None, allow_busy=allow_busy)
+                               step, llama=(llama_bench, gguf) if llama_bench else None, allow_busy=allow_busy,
+                               decode_past=decode_past)
         if json_path is not None:
             _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
         if png_path is not None:
@@ -191,6 +195,16 @@ def table(result: dict) -> str:
                     notes.append(f"{peer:.2f}x llama.cpp")
                 cells.append(f"{med:.1f}" + (f" ({', '.join(notes)})" if notes else ""))
             lines.append(f"| {label.format(key)} | " + " | ".join(cells) + " |")
+    for past, r in result.get("decode_past", {}).items():
+        cells = []
+        for n in names:
+            if n not in r["tokens_per_s"]:
+                cells.append("")
+                continue
+            peer = r.get("vs_llama_cpp", {}).get(n)
+            cells.append(f"{r['tokens_per_s'][n]['median']:.1f}"
+                         + (f" ({peer:.2f}x llama.cpp)" if peer is not None and n != LLAMA else ""))
+        lines.append(f"| decode b1 after {past} tokens (tok/s) | " + " | ".join(cells) + " |")
     for row in result.get("moe_kernel", []):
         lines.append(f"| MXFP4 experts, {row['tokens']} token(s) x top-{row['top_k']} (ms) | torch fp32 "
                      f"{row['torch_fp32_ms']:.3f} | | TVM {row['tvm_mxfp4_ms']:.3f} ({row['speedup']:.2f}x, "

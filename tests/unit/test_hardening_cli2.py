@@ -424,3 +424,11 @@ def test_busy_cores_reads_the_machine():
     from k3compile.llama_bench import busy_cores
 
     assert 0.0 <= busy_cores(0.2) <= (os.cpu_count() or 1) + 0.01
+
+
+def test_bench_decode_past_is_checked_before_work(no_work):
+    reaches_work(run("bench", "--decode-past", "64,8192"))
+    refused_before_work(run("bench", "--decode-past", "65530"), "--decode-past 65530")  # past max_position_embeddings
+    for bad in ("0", "64,64", "x", "64,"):
+        r = run("bench", "--decode-past", bad)
+        assert r.exit_code == 2 and "--decode-past" in r.output, (bad, r.output)
