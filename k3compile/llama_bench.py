@@ -7,7 +7,7 @@ decode batch above 1, `llama-batched-bench` found beside it (`-npp 16 -ntg steps
 (`-r 1`), so that k3compile's bench can interleave them with its own backends: each call is a fresh process that
 loads the GGUF (memory-mapped, from the page cache after the first) and warms up before it measures, and its
 threads end with it. Thread counts are set for both sides alike (`-t`, `-tb`): llama.cpp's OpenMP threads spin at
-barriers, which is why the bench checks that the machine is quiet (`quiet_cores`) before and after it measures.
+barriers, which is why the bench checks that the machine is quiet (`check_quiet`) before and after it measures.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ class LlamaBench:
             raise PeerError(f"--gguf {gguf}: no such file")
         batched = self.binary.with_name("llama-batched-bench")
         self.batched = batched if batched.is_file() and os.access(batched, os.X_OK) else None
-        self.version = self._version()
+        self._check_tool()
 
     def describe(self) -> str:
-        return f"llama.cpp {self.version} ({self.gguf.name}, {self.threads} threads)"
+        return f"llama.cpp llama-bench ({self.gguf.name}, {self.threads} threads)"
 
-    def _version(self) -> str:
+    def _check_tool(self) -> None:
+        """The binary runs and is a llama-bench that can decode after a prompt (`-d`, llama.cpp from 2025 on)."""
         try:
             r = subprocess.run([str(self.binary), "--help"], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise PeerError(f"--llama-bench {self.binary}: does not run ({e})") from None
         if "n-depth" not in r.stdout + r.stderr:
             raise PeerError(f"--llama-bench {self.binary}: not a llama-bench that takes -d (--n-depth)")
-        return "llama-bench"
 
     def _run(self, args: list[str]) -> str:
         cmd = [str(args[0]), "-m", str(self.gguf), *args[1:]]
