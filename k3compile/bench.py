@@ -423,7 +423,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
 
     from k3compile.cache import cached_artifact, cached_export
     from k3compile.config import read_config
-    from k3compile.llama_bench import LlamaBench, busy_cores, check_quiet
+    from k3compile.llama_bench import LlamaBench
     from k3compile.manifest import WEIGHTS, read_manifest
     from k3compile.presets import load_config
     from k3compile.targets import resolve
@@ -441,7 +441,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     config = read_config(artifact / "config.json")
     manifest = read_manifest(artifact)
 
-    quiet = _quiet(step, "before the measurements", allow_busy, busy_cores, check_quiet)
+    quiet = _quiet(step, "before the measurements", allow_busy)
     step("measuring load time and peak memory (a fresh process per backend)")
     load = {name: _probe_in_subprocess(name, folder, threads) for name, folder in folders.items()}
     step("measuring memory bandwidth")
@@ -504,15 +504,17 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     result["artifact_weight_bytes"] = weight_bytes
     if "tvm" in load and "peak_rss_bytes" in load["tvm"]:
         result["tvm_peak_rss_vs_weights"] = load["tvm"]["peak_rss_bytes"] / weight_bytes
-    after = _quiet(step, "after the measurements", allow_busy, busy_cores, check_quiet)
+    after = _quiet(step, "after the measurements", allow_busy)
     result["quiet"] = {"bound_cores": QUIET_BOUND, "busy_cores_before": quiet, "busy_cores_after": after,
                        "checked": not allow_busy}
     return result
 
 
-def _quiet(step, when: str, allow_busy: bool, busy_cores, check_quiet) -> float:
+def _quiet(step, when: str, allow_busy: bool) -> float:
     """The cores other processes kept busy (`when`), after a pause that lets this process's pools go idle; refused
     past the bound unless `allow_busy`."""
+    from k3compile.llama_bench import busy_cores, check_quiet
+
     step(f"checking that the machine is quiet {when}")
     time.sleep(1.0)
     return busy_cores() if allow_busy else check_quiet(when)

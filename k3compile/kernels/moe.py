@@ -66,11 +66,12 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes), from the table."""
         return fp4_twice_x(W[e, row, tirx.Ramp(col0, 1, lanes)], Tab[tirx.Ramp(0, 1, lanes)], lanes, high)
 
-    def vec(B, base, lanes: int):
-        return B[tirx.Ramp(base, 1, lanes)]
-
-    def bcast(x, lanes: int):
-        return tirx.Broadcast(x, lanes)
+    def looked_step(Acc, W, Tab, e, b, p, col0, lanes: int, X, xrow):
+        """Acc's `lanes` partial sums plus packed row b·16 + p of expert e (its two nibbles: input elements
+        b·32 + 2p and + 1 of row `xrow` of X), in the arithmetic decode's order: (acc + lo · x0) + hi · x1."""
+        return Acc[tirx.Ramp(0, 1, lanes)] + looked(W, Tab, e, b * 16 + p, col0, lanes, 0) * tirx.Broadcast(
+            X[xrow, b * 32 + 2 * p], lanes) + looked(W, Tab, e, b * 16 + p, col0, lanes, 1) * tirx.Broadcast(
+            X[xrow, b * 32 + 2 * p + 1], lanes)
 
     def elem(W, e, b, p, col, high: int):
         """Row 32 b + 2 p + high of expert e's weight (a column of the output): an E2M1 nibble, or a float."""
@@ -126,11 +127,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                 blk_acc[v] = T.float32(0)
                             if table_a:  # twice the values from the table; the scale halved
                                 for p in range(16):
-                                    blk_acc[T.Ramp(0, 1, la)] = vec(blk_acc, 0, la) + looked(
-                                        W13, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * ta, la, 0) * bcast(
-                                        Zs[f // K, b * 32 + 2 * p], la) + looked(
-                                        W13, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * ta, la, 1) * bcast(
-                                        Zs[f // K, b * 32 + 2 * p + 1], la)
+                                    blk_acc[T.Ramp(0, 1, la)] = looked_step(
+                                        blk_acc, W13, Tab, Idx[f // K, f % K] - offset, b, p, t * ta, la, Zs, f // K)
                                 for v in T.vectorized(ta):
                                     acc[v] = acc[v] + blk_acc[v] * (scale(S13, Idx[f // K, f % K] - offset, b,
                                                                           t * ta + v) * T.float32(0.5))
@@ -163,11 +161,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                 blk_acc[v] = T.float32(0)
                             if table_d:  # as above
                                 for p in range(16):
-                                    blk_acc[T.Ramp(0, 1, ld)] = vec(blk_acc, 0, ld) + looked(
-                                        W2, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * td, ld, 0) * bcast(
-                                        H[f, b * 32 + 2 * p], ld) + looked(
-                                        W2, Tab, Idx[f // K, f % K] - offset, b * 16 + p, t * td, ld, 1) * bcast(
-                                        H[f, b * 32 + 2 * p + 1], ld)
+                                    blk_acc[T.Ramp(0, 1, ld)] = looked_step(
+                                        blk_acc, W2, Tab, Idx[f // K, f % K] - offset, b, p, t * td, ld, H, f)
                                 for v in T.vectorized(td):
                                     acc[v] = acc[v] + blk_acc[v] * (scale(S2, Idx[f // K, f % K] - offset, b,
                                                                           t * td + v) * T.float32(0.5))
