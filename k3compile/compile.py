@@ -179,8 +179,11 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
     if tgt.gpu:
         return _build_gpu(mod, raw, tgt, dump, step, executable)
     phased = run_phases(mod, tgt, dump_dir=dump).with_attr(DENSE_FORMAT, tgt.dense_format.value)
+    # auto chose bf16 having read every 2-D fp32 matrix (dense_target): only other packed weights are left to read
+    seen = {n for n, w in zip(raw_names, raw) if len(w.shape) == 2 and str(w.dtype) == "float32"} \
+        if dense == "auto" else set()
     try:
-        check_dense(phased, raw_names, raw)
+        check_dense(phased, raw_names, raw, checked=seen)
     except ExportError:
         if dense != "auto":
             raise
@@ -236,17 +239,17 @@ def dense_format(mod) -> str:
     return str(attrs[DENSE_FORMAT]) if DENSE_FORMAT in attrs else "fp32"
 
 
-def check_dense(mod, names: list[str], raw: list) -> None:
+def check_dense(mod, names: list[str], raw: list, checked: set[str] = frozenset()) -> None:
     """A bf16 build's packed weights (passes/pack_dense_weights.py: PACKED) among `raw` (named `names`) hold bf16
     values, so cutting them is exact; ExportError naming the first that does not. Run on every set of weights a
-    build's transform takes (a sharded rank's too)."""
+    build's transform takes (a sharded rank's too); `checked`: names already found to hold bf16 values."""
     from k3compile.passes.pack_dense_weights import PACKED
 
     if dense_format(mod) != "bf16":
         return
     packed = {str(n) for n in mod.attrs[PACKED]} if PACKED in mod.attrs else set()
     for name, w in zip(names, raw):
-        if name in packed and not _holds_bf16(w.numpy()):
+        if name in packed and name not in checked and not _holds_bf16(w.numpy()):
             raise ExportError(f"--dense-weights bf16: weight {name} holds values bf16 cannot represent exactly; "
                               "k3compile narrows only bf16 values (a bf16 checkpoint, a preset): use fp32")
 
