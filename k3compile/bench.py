@@ -13,6 +13,7 @@ memory are measured in a fresh process per backend (a process's peak RSS cannot 
 Sections:
 - decode: tokens/s over `steps` decode steps after a 16-token prompt, batch 1 and 8;
 - prefill: tokens/s of one prompt of T tokens (batch 1);
+  each step as generate runs it (generate.step_last_of: the logits of the last position; TVM computes only those);
 - decode_past (`--decode-past`): batch-1 decode after a prompt of P tokens (prefilled in chunks), TVM and llama.cpp;
 - moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
   same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
@@ -200,14 +201,17 @@ def _probe_in_subprocess(kind: str, folder: str, threads: int) -> dict:
 def _decode_once(engine, batch: int, steps: int, vocab: int) -> float:
     import torch
 
+    from k3compile.generate import step_last_of
+
+    step = step_last_of(engine)  # what generate runs: logits of the last position
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(3, vocab, (batch, PROMPT), generator=gen)
     mask = torch.ones(batch, PROMPT, dtype=torch.long)
-    _, past = engine.step(ids, mask, engine.init_past(batch))
+    _, past = step(ids, mask, engine.init_past(batch))
     t = time.perf_counter()
     for s in range(steps):
         mask = torch.ones(batch, PROMPT + s + 1, dtype=torch.long)
-        _, past = engine.step(torch.randint(3, vocab, (batch, 1), generator=gen), mask, past)
+        _, past = step(torch.randint(3, vocab, (batch, 1), generator=gen), mask, past)
     return batch * steps / (time.perf_counter() - t)
 
 
@@ -216,32 +220,36 @@ def _decode_at_past(engine, past: int, steps: int, vocab: int) -> float:
     (the graph takes new tokens after a past, so no step holds scores for the whole prompt at once)."""
     import torch
 
+    from k3compile.generate import step_last_of
     from k3compile.llama_bench import LlamaBench
 
     if isinstance(engine, LlamaBench):
         return engine.decode(1, steps, past)
+    step = step_last_of(engine)
     gen = torch.Generator().manual_seed(past)
     state, done = engine.init_past(1), 0
     while done < past:
         n = min(PAST_CHUNK, past - done)
-        _, state = engine.step(torch.randint(3, vocab, (1, n), generator=gen),
-                               torch.ones(1, done + n, dtype=torch.long), state)
+        _, state = step(torch.randint(3, vocab, (1, n), generator=gen), torch.ones(1, done + n, dtype=torch.long),
+                        state)
         done += n
     t = time.perf_counter()
     for s in range(steps):
-        _, state = engine.step(torch.randint(3, vocab, (1, 1), generator=gen),
-                               torch.ones(1, past + s + 1, dtype=torch.long), state)
+        _, state = step(torch.randint(3, vocab, (1, 1), generator=gen), torch.ones(1, past + s + 1, dtype=torch.long),
+                        state)
     return steps / (time.perf_counter() - t)
 
 
 def _prefill_once(engine, length: int, vocab: int) -> float:
     import torch
 
+    from k3compile.generate import step_last_of
+
     ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length))
     mask = torch.ones(1, length, dtype=torch.long)
-    past = engine.init_past(1)
+    past, step = engine.init_past(1), step_last_of(engine)
     t = time.perf_counter()
-    engine.step(ids, mask, past)
+    step(ids, mask, past)
     return length / (time.perf_counter() - t)
 
 

@@ -132,6 +132,20 @@ def check_finite(last: Tensor, index: int) -> None:
                               "check the weights")
 
 
+def step_last_of(backend) -> Callable:
+    """The backend's step as generation uses it: (input_ids, attention_mask, past) -> (logits of each row's last
+    position [B, 1, V], present). A backend that can skip the other positions' logits says so by a `step_last`
+    method (backends/tvm.py); for the others, their step's last position."""
+    if hasattr(backend, "step_last"):
+        return backend.step_last
+
+    def last(input_ids, attention_mask, past):
+        logits, present = backend.step(input_ids, attention_mask, past)
+        return logits[:, -1:], present
+
+    return last
+
+
 def generate(
     backend,
     prompts: list[list[int]],
@@ -148,10 +162,11 @@ def generate(
     gen = torch.Generator().manual_seed(seed)
     kept: list[Tensor] = []
     past = backend.init_past(len(prompts))
+    step_last = step_last_of(backend)
 
     def step(ids: Tensor, mask: Tensor, index: int) -> Tensor:
         nonlocal past
-        logits, past = backend.step(ids, mask, past)
+        logits, past = step_last(ids, mask, past)
         last = logits[:, -1]
         check_finite(last, index)
         if keep_logits:

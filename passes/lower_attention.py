@@ -1,13 +1,14 @@
-"""Part of phase 5 (passes/legalize_fuse.py runs it first): on CPU targets MLA's score contractions are legalized to
-a TIR kernel of k3compile's instead of TVM's einsum (docs/architecture.md, "The compile path"; the kernel:
-k3compile/kernels/attention.py).
+"""Part of phase 5 (passes/legalize_fuse.py runs it after passes/inplace_caches.py): on CPU targets MLA's attention
+contractions are legalized to TIR kernels of k3compile's instead of TVM's einsum (docs/architecture.md, "The compile
+path"; the kernels: k3compile/kernels/attention.py).
 
 An `einsum` of the form "bthc,bsc->bhts" (a four-dim query, b t h c, against a three-dim cache, b s c, summed over
-the cache's last letter, out b h t s), fp32, with the heads static and the summed width static and a multiple of
-16, becomes `call_tir` of `kernels/attention.scores_kernel` (one per distinct heads and width), opaque to fusion
-(what followed it — the RoPE scores' add, the scale, the mask — is fused apart). A softmax over the last axis of a
-four-dim fp32 tensor (the attention weights) becomes `kernels/attention.softmax_kernel`. Any other einsum or
-softmax, and every one on a GPU target (dlight schedules them there), is left as it is.
+the cache's last letter, out b h t s) becomes `call_tir` of `kernels/attention.scores_kernel`, and one of the form
+"bhts,bsc->bthc" (the weights against the cache, summed over s) of `kernels/attention.pv_kernel`: fp32, with the
+heads and the width static (one kernel per distinct pair), the cache length passed as the kernels' scalar, opaque
+to fusion (what followed the scores — the RoPE scores' add, the scale, the mask — is fused apart). A softmax over
+the last axis of a four-dim fp32 tensor (the attention weights) becomes `kernels/attention.softmax_kernel`. Any
+other einsum or softmax, and every one on a GPU target (dlight schedules them there), is left as it is.
 """
 
 from __future__ import annotations
@@ -29,13 +30,63 @@ def scores_form(subscripts: str) -> bool:
     return k[0] == b and k[2] == c and s not in a and out == b + h + t + s
 
 
+def pv_form(subscripts: str) -> bool:
+    """Whether einsum `subscripts` is the weighted sum over the cache: "xyzw,xwv->xzyv" (b h t s, b s c -> b t h c)."""
+    try:
+        inputs, out = subscripts.replace(" ", "").split("->")
+        p, k = inputs.split(",")
+    except ValueError:
+        return False
+    if len(p) != 4 or len(k) != 3 or len(set(p)) != 4 or len(set(k)) != 3:
+        return False
+    b, h, t, s = p
+    c = k[2]
+    return k[0] == b and k[1] == s and c not in p and out == b + t + h + c
+
+
+def attention_call(kernel_for, subscripts: str, q, k, length, out_shape=None):
+    """`call_tir` of the kernel for einsum `subscripts` ((scores_form or pv_form) of q (or the weights) and the cache
+    k, fp32, heads and width static), reading `length` rows of k; None when the einsum is no such form.
+    `kernel_for(kind, heads, width)` gives the kernel's GlobalVar."""
+    import tvm
+    from tvm import relax
+
+    scores = scores_form(subscripts)
+    if not (scores or pv_form(subscripts)) or any(str(x.ty.dtype) != "float32" for x in (q, k)):
+        return None
+    heads = q.ty.shape[2] if scores else q.ty.shape[1]
+    width = k.ty.shape[2]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in (heads, width)):
+        return None
+    gv = kernel_for("scores" if scores else "pv", int(heads), int(width))
+    b, x = q.ty.shape[0], q.ty.shape[1] if scores else q.ty.shape[2]
+    shape = [b, heads, x, length] if scores else [b, x, heads, width]
+    return relax.call_tir(gv, [q, k, relax.prim_value(length)], relax.TensorType(shape, "float32"))
+
+
+def kernel_maker(builder, kernels: dict):
+    """`kernel_for(kind, heads, width)` of `attention_call` that adds each kernel to `builder` once (kept in
+    `kernels`), opaque to fusion."""
+    from k3compile.kernels.attention import pv_kernel, scores_kernel
+
+    def kernel_for(kind: str, heads: int, width: int):
+        key = (kind, heads, width)
+        if key not in kernels:
+            make = scores_kernel if kind == "scores" else pv_kernel
+            kernels[key] = builder.add_func(make(heads, width).with_attr("op_pattern", OPAQUE),
+                                            f"k3_attention_{kind}_{heads}_{width}")
+        return kernels[key]
+
+    return kernel_for
+
+
 def lower_attention(target):
     """The pass (a tvm.transform.ModulePass) for `target` (a k3compile.targets.Target)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    from k3compile.kernels.attention import LANES, scores_kernel, softmax_kernel
+    from k3compile.kernels.attention import softmax_kernel
 
     einsum = tvm.ir.Op.get("relax.einsum")
     softmax = tvm.ir.Op.get("relax.nn.softmax")
@@ -45,6 +96,7 @@ def lower_attention(target):
         def __init__(self, mod):
             super().__init__(mod)
             self.kernels: dict[object, object] = {}  # key -> the GlobalVar of its kernel
+            self.kernel_for = kernel_maker(self.builder_, self.kernels)
 
         def _kernel(self, key, make, name: str):
             if key not in self.kernels:
@@ -59,18 +111,13 @@ def lower_attention(target):
                     return relax.call_tir(self._kernel("softmax", softmax_kernel, "k3_attention_softmax"), [x],
                                           relax.TensorType(x.ty.shape, "float32"))
                 return call
-            if not (call.op.same_as(einsum) and scores_form(str(call.attrs.subscripts))):
+            if not call.op.same_as(einsum) or not isinstance(call.args[0], relax.Tuple):
                 return call
-            q, k = call.args[0].fields if isinstance(call.args[0], relax.Tuple) else (None, None)
-            if q is None or any(str(x.ty.dtype) != "float32" for x in (q, k)):
-                return call
-            heads, width = q.ty.shape[2], q.ty.shape[3]
-            if not all(isinstance(d, tvm.tirx.IntImm) for d in (heads, width)) or int(width) % LANES:
-                return call
-            key = (int(heads), int(width))
-            gv = self._kernel(key, lambda: scores_kernel(*key), f"k3_attention_scores_{key[0]}_{key[1]}")
-            out = relax.TensorType([q.ty.shape[0], heads, q.ty.shape[1], k.ty.shape[1]], "float32")
-            return relax.call_tir(gv, [q, k], out)
+            q, k = call.args[0].fields
+            subscripts = str(call.attrs.subscripts)
+            length = k.ty.shape[1]  # the functional graph's cache: every row is read
+            lowered = attention_call(self.kernel_for, subscripts, q, k, length)
+            return call if lowered is None else lowered
 
     @tvm.transform.module_pass(opt_level=0, name="K3LowerAttention")
     def run(mod, ctx):

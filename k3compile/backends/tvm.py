@@ -10,6 +10,13 @@ fused and scheduled for the target), compiles for the target and runs it in the 
 another CPU (other vector features) is refused rather than run into an illegal instruction. It still registers the
 ops' reference implementations (ops.register_tvm_references), which no module k3compile builds calls (modules built
 by hand from one k3 node do: the converter tests). No model code is imported.
+
+MLA's caches stay in place when the library has `main_inplace` (passes/inplace_caches.py; docs/architecture.md,
+"In-place decode caches"): the backend keeps each cache in a buffer of some capacity (at least MIN_CAPACITY rows,
+doubled when a step needs more), a step writes only its new rows there, and the `present` it returns for an MLA
+layer is a view of the buffer's filled rows. A `past` that is the last `present` of this backend goes back as its
+buffers, nothing copied; any other past (one built elsewhere, or an older state stepped again: a branch) is copied
+into new buffers first, so a state once returned never changes.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import numpy as np
 import torch
 
 from k3compile import library
+from k3compile.config import K3Config
 from k3compile.interface import (
     ExportError,
     GraphInterface,
@@ -31,6 +39,41 @@ from k3compile.interface import (
     open_export,
     unflatten,
 )
+from k3compile.passes.inplace_caches import INPLACE_FUNC, LAST_FUNC
+
+MIN_CAPACITY = 256  # rows a new cache buffer holds at least; it doubles when a step needs more
+
+
+class _InPlaceCaches:
+    """The MLA caches of one decode batch in buffers [B, capacity, width] (TVM tensors; `full` their torch views),
+    their first `length` rows filled."""
+
+    def __init__(self, cfg: K3Config, batch: int, capacity: int, device, empty) -> None:
+        self.layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_mla(i)]
+        widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        self.buffers = {i: tuple(empty((batch, capacity, w), "float32", device) for w in widths) for i in self.layers}
+        self.full = {i: tuple(torch.from_dlpack(b) for b in pair) for i, pair in self.buffers.items()}
+        self.batch, self.capacity, self.length = batch, capacity, 0
+
+    def holds(self, past: Past, batch: int, length: int) -> bool:
+        """Whether `past`'s MLA caches are this object's filled rows as it last handed them out."""
+        if batch != self.batch or length != self.length:
+            return False
+        return all(got.data_ptr() == full.data_ptr() and got.stride() == full.stride()
+                   and tuple(got.shape) == (batch, length, full.shape[2])
+                   for i in self.layers for got, full in zip(past[i], self.full[i]))
+
+    def fill(self, past: Past, length: int) -> None:
+        """Copy `length` rows of `past`'s MLA caches in (a state from elsewhere, or a smaller buffer's)."""
+        for i in self.layers:
+            for full, got in zip(self.full[i], past[i]):
+                full[:, :length].copy_(got)
+        self.length = length
+
+    def present(self, length: int) -> dict:
+        """layer -> the views [B, length, width] a step returns as its MLA present."""
+        self.length = length
+        return {i: tuple(full[:, :length] for full in pair) for i, pair in self.full.items()}
 
 
 class TvmBackend:
@@ -60,6 +103,13 @@ class TvmBackend:
         self._vm = relax.VirtualMachine(self.executable, self.device)
         self._decode_vm = None if self._decode_executable is None else relax.VirtualMachine(self._decode_executable,
                                                                                              self.device)
+        self._caches: _InPlaceCaches | None = None  # the MLA caches kept in place, when main_inplace is there
+        self.inplace = self._has(INPLACE_FUNC)
+        self._last = self._has(LAST_FUNC)
+
+    def _has(self, name: str) -> bool:
+        """Whether the library (and compile --tune's decode library, when there is one) has function `name`."""
+        return all(vm is None or _has_function(vm, name) for vm in (self._vm, self._decode_vm))
 
     def _compile_export(self, folder: Path, target) -> None:
         from k3compile.compile import build
@@ -109,7 +159,62 @@ class TvmBackend:
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         check_step(self.config, input_ids, attention_mask, past)
-        feeds = [self._input(x) for x in numpy_inputs(input_ids, attention_mask, past)]
         vm = self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        if self.inplace:
+            return self._step_inplace(vm, INPLACE_FUNC, input_ids, attention_mask, past)
+        feeds = [self._input(x) for x in numpy_inputs(input_ids, attention_mask, past)]
         outs = [torch.from_dlpack(o) for o in vm["main"](*feeds, *self._params)]  # shared, not copied
         return outs[0], unflatten(outs[1:])
+
+    def _caches_for(self, past: Past, batch: int, length: int, needed: int) -> _InPlaceCaches:
+        """Buffers holding `past`'s MLA caches (`length` rows) with room for `needed` rows: this backend's own when
+        `past` is what it last returned (grown by doubling when full), else new ones with `past` copied in."""
+        from tvm.runtime import empty
+
+        mine = self._caches is not None and self._caches.holds(past, batch, length)
+        if mine and self._caches.capacity >= needed:
+            return self._caches
+        capacity = max(MIN_CAPACITY, self._caches.capacity if mine else 0)
+        while capacity < needed:
+            capacity *= 2
+        caches = _InPlaceCaches(self.config, batch, capacity, self.device, empty)
+        caches.fill(past, length)
+        self._caches = caches
+        return caches
+
+    @torch.no_grad()
+    def step_last(self, input_ids, attention_mask, past: Past):
+        """`step` with the logits of each row's last position only, [B, 1, V] (generate.step_last_of): a prefill
+        then skips the LM head for every other position (passes/inplace_caches.py, `main_inplace_last`)."""
+        if not (self.inplace and self._last):
+            logits, present = self.step(input_ids, attention_mask, past)
+            return logits[:, -1:], present
+        check_step(self.config, input_ids, attention_mask, past)
+        vm = self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        return self._step_inplace(vm, LAST_FUNC, input_ids, attention_mask, past)
+
+    def _step_inplace(self, vm, function: str, input_ids, attention_mask, past: Past):
+        import tvm
+
+        ids = np.asarray(input_ids, dtype=np.int64)
+        mask = np.asarray(attention_mask, dtype=np.int64)
+        batch, tokens = ids.shape
+        length = mask.shape[1] - tokens
+        caches = self._caches_for(past, batch, length, mask.shape[1])
+        feeds = [self._input(ids), self._input(mask)]
+        for i, pair in enumerate(past):
+            feeds += caches.buffers[i] if i in caches.buffers else [
+                self._input(t.detach().cpu().numpy().astype(np.float32, copy=False)) for t in pair]
+        outs = vm[function](*feeds, tvm.runtime.ShapeTuple([length]), *self._params)
+        mla = caches.present(mask.shape[1])  # the buffers main_inplace wrote and returned, as views
+        flat = [torch.from_dlpack(o) for o in outs]
+        present = [mla.get(i, pair) for i, pair in enumerate(unflatten(flat[1:]))]
+        return flat[0], present
+
+
+def _has_function(vm, name: str) -> bool:
+    try:
+        vm[name]
+    except (AttributeError, KeyError, ValueError, RuntimeError):
+        return False
+    return True

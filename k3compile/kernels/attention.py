@@ -1,21 +1,34 @@
-"""The attention score contraction of MLA as a TIR kernel for CPU targets (docs/toolchain.md, "CPU schedules";
-the phase that places it: passes/lower_attention.py).
+"""MLA's attention contractions as TIR kernels for CPU targets (docs/toolchain.md, "CPU schedules"; the phases that
+place them: passes/lower_attention.py and, for decode caches kept in place, passes/inplace_caches.py).
 
 MLA's absorbed form scores every query head against the shared latent cache, `einsum("bthc,bsc->bhts", q, k)`, and
 the RoPE part the same way over its own width (`"bthr,bsr->bhts"`): a dot product over c (the latent width 128 /
 512, the RoPE width 32 / 64) for every (token, head, position). TVM's generic schedule leaves that dot scalar (the
 reduction is the innermost index of both operands, so no output dim is contiguous to vectorize over), which made it
-a third of a 2048-token prefill. This kernel keeps a register tile of R heads × J cache positions, each a 16-lane
-partial sum along c, so every step loads R + J vectors for R · J fused multiply-adds; the 16 lanes are summed once
-at the end. Cache positions past the end (the last tile) read the last row and are not stored. Parallel over
+a third of a 2048-token prefill. `scores_kernel` keeps a register tile of R heads × J cache positions, each a
+16-lane partial sum along c, so every step loads R + J vectors for R · J fused multiply-adds; the lanes are summed
+once at the end. Cache positions past the end (the last tile) read the last row and are not stored. Parallel over
 batch × tokens × head groups × position tiles. k3-small, one layer at T = S = 2048: 2.1 s with TVM's schedule,
 0.30 s with this one (the sum order along c differs: partial sums of 16 strided lanes, then the lanes).
+`pv_kernel` is the weighted sum that follows the softmax, `einsum("bhts,bsc->bthc", p, k)`: a register tile of R
+heads × a few vectors of c, one broadcast weight per head and position.
+
+Every kernel that reads the cache takes its length S as a scalar argument (a PrimValue after the tensors) and the cache
+as a buffer of any capacity C >= S, of which it reads rows [0, S): the functional graph passes its concatenated
+cache (C = S), the in-place function its preallocated buffer (docs/architecture.md, "In-place decode caches").
+`write_rows_kernel` is that function's write: the T new rows at positions [P, P + T) of the buffer, in place.
 """
 
 from __future__ import annotations
 
 LANES = 16  # fp32 lanes of one partial sum (one AVX-512 register, two AVX2 ones)
 POSITIONS = 4  # cache positions per register tile (J)
+TILE_REGISTERS = 16  # accumulators a register tile may hold
+
+
+def lanes_of(width: int) -> int:
+    """The vector of a kernel over `width` values: 16 lanes, or the largest power of two dividing width."""
+    return next(n for n in (LANES, 8, 4, 2, 1) if width % n == 0)
 
 
 def head_tile(heads: int) -> int:
@@ -24,45 +37,121 @@ def head_tile(heads: int) -> int:
 
 
 def scores_kernel(heads: int, width: int):
-    """out[b, h, t, s] = sum_c q[b, t, h, c] · k[b, s, c] for `heads` heads of `width` (a multiple of LANES), batch,
-    tokens and cache positions symbolic."""
+    """out[b, h, t, s] = sum_c q[b, t, h, c] · k[b, s, c] for s < S (the scalar argument), `heads` heads of `width`,
+    batch, tokens, S and k's capacity C >= S symbolic."""
     from tvm.script import tirx as T
 
-    r_tile, j_tile, lanes = head_tile(heads), POSITIONS, LANES
+    r_tile, j_tile, lanes = head_tile(heads), POSITIONS, lanes_of(width)
     groups, steps = heads // r_tile, width // lanes
 
     @T.prim_func(private=True)
-    def scores(q: T.handle, k: T.handle, o: T.handle):
+    def scores(q: T.handle, k: T.handle, S: T.int64, o: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        B, Tn, S = T.int64(), T.int64(), T.int64()
+        B, Tn, C = T.int64(), T.int64(), T.int64()
         Q = T.match_buffer(q, (B, Tn, heads, width), "float32")
-        K = T.match_buffer(k, (B, S, width), "float32")
+        K = T.match_buffer(k, (B, C, width), "float32")
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
-        for task in T.parallel(B * Tn * groups * ((S + j_tile - 1) // j_tile)):
+        assert S <= C, "attention scores: the cache holds fewer rows than its length"
+        for task in T.parallel(B * Tn * ((S + j_tile - 1) // j_tile)):
             acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
             tiles = T.meta_var((S + j_tile - 1) // j_tile)
-            b = T.meta_var(task // (Tn * groups * tiles))
-            t = T.meta_var(task // (groups * tiles) % Tn)
-            h0 = T.meta_var(task // tiles % groups * r_tile)
+            b = T.meta_var(task // (Tn * tiles))
+            t = T.meta_var(task // tiles % Tn)
             s0 = T.meta_var(task % tiles * j_tile)
-            for r in T.unroll(r_tile):
-                for j in T.unroll(j_tile):
-                    for v in T.vectorized(lanes):
-                        acc[r, j, v] = T.float32(0)
-            for c in range(steps):
+            for g in range(groups):  # every head group against the same J rows of k (read from memory once)
                 for r in T.unroll(r_tile):
                     for j in T.unroll(j_tile):
                         for v in T.vectorized(lanes):
-                            acc[r, j, v] = acc[r, j, v] + Q[b, t, h0 + r, c * lanes + v] * K[
-                                b, T.min(s0 + j, S - 1), c * lanes + v]
-            for r in T.unroll(r_tile):
-                for j in T.unroll(j_tile):
-                    if s0 + j < S:
-                        Out[b, h0 + r, t, s0 + j] = T.float32(0)
-                        for v in range(lanes):
-                            Out[b, h0 + r, t, s0 + j] = Out[b, h0 + r, t, s0 + j] + acc[r, j, v]
+                            acc[r, j, v] = T.float32(0)
+                for c in range(steps):
+                    for r in T.unroll(r_tile):
+                        for j in T.unroll(j_tile):
+                            for v in T.vectorized(lanes):
+                                acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
+                                    b, T.min(s0 + j, S - 1), c * lanes + v]
+                for r in T.unroll(r_tile):  # each partial-sum vector folded in halves: log2(lanes) vector adds
+                    for j in T.unroll(j_tile):
+                        if lanes >= 16:
+                            for v in T.vectorized(8):
+                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
+                        if lanes >= 8:
+                            for v in T.vectorized(4):
+                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
+                        if lanes >= 4:
+                            for v in T.vectorized(2):
+                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
+                        if lanes >= 2:
+                            acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
+                for r in T.unroll(r_tile):
+                    for j in T.unroll(j_tile):
+                        if s0 + j < S:
+                            Out[b, g * r_tile + r, t, s0 + j] = acc[r, j, 0]
 
     return scores
+
+
+def pv_kernel(heads: int, width: int):
+    """out[b, t, h, c] = sum_{s < S} p[b, h, t, s] · k[b, s, c] (S the scalar argument; k of capacity C >= S), the
+    sum in position order. A task holds R heads × V vectors of c in registers; each position loads V vectors of k
+    and R weights."""
+    from tvm.script import tirx as T
+
+    r_tile, lanes = head_tile(heads), lanes_of(width)
+    vecs = width // lanes
+    v_tile = next(v for v in range(min(vecs, TILE_REGISTERS // r_tile), 0, -1) if vecs % v == 0)
+    groups, chunks = heads // r_tile, vecs // v_tile
+
+    @T.prim_func(private=True)
+    def pv(p: T.handle, k: T.handle, S: T.int64, o: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B, Tn, C = T.int64(), T.int64(), T.int64()
+        P = T.match_buffer(p, (B, heads, Tn, S), "float32")
+        K = T.match_buffer(k, (B, C, width), "float32")
+        Out = T.match_buffer(o, (B, Tn, heads, width), "float32")
+        assert S <= C, "attention output: the cache holds fewer rows than its length"
+        for task in T.parallel(B * Tn * groups * chunks):
+            acc = T.alloc_buffer((r_tile, v_tile, lanes), "float32", scope="local")
+            b = T.meta_var(task // (Tn * groups * chunks))
+            t = T.meta_var(task // (groups * chunks) % Tn)
+            h0 = T.meta_var(task // chunks % groups * r_tile)
+            c0 = T.meta_var(task % chunks * v_tile * lanes)
+            for r in T.unroll(r_tile):
+                for j in T.unroll(v_tile):
+                    for v in T.vectorized(lanes):
+                        acc[r, j, v] = T.float32(0)
+            for s in range(S):
+                for r in T.unroll(r_tile):
+                    for j in T.unroll(v_tile):
+                        for v in T.vectorized(lanes):
+                            acc[r, j, v] = acc[r, j, v] + P[b, h0 + r, t, s] * K[b, s, c0 + j * lanes + v]
+            for r in T.unroll(r_tile):
+                for j in T.unroll(v_tile):
+                    for v in T.vectorized(lanes):
+                        Out[b, t, h0 + r, c0 + j * lanes + v] = acc[r, j, v]
+
+    return pv
+
+
+def write_rows_kernel(width: int):
+    """cache[b, P + t, :] = new[b, t, :] for the T new rows, in place (`call_tir_inplace`, the cache its output); P
+    the scalar argument, refused at run time unless P + T <= the cache's capacity."""
+    from tvm.script import tirx as T
+
+    lanes = lanes_of(width)
+
+    @T.prim_func(private=True)
+    def write_rows(cache: T.handle, new: T.handle, P: T.int64):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B, C, Tn = T.int64(), T.int64(), T.int64()
+        Cache = T.match_buffer(cache, (B, C, width), "float32")
+        New = T.match_buffer(new, (B, Tn, width), "float32")
+        assert P + Tn <= C, "decode cache: the new rows do not fit its capacity"
+        for row in T.parallel(B * Tn):
+            for c in range(width // lanes):
+                for v in T.vectorized(lanes):
+                    Cache[row // Tn, P + row % Tn, c * lanes + v] = New[row // Tn, row % Tn, c * lanes + v]
+
+    return write_rows
 
 
 def softmax_kernel():

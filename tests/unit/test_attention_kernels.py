@@ -1,5 +1,6 @@
-"""MLA's score contraction and softmax as k3compile's CPU kernels (k3compile/kernels/attention.py), against numpy /
-torch, and the phase that places them (passes/lower_attention.py): which einsums and softmaxes it takes."""
+"""MLA's attention contractions, softmax and cache write as k3compile's CPU kernels (k3compile/kernels/attention.py),
+against numpy / torch, and the phases that place them (passes/lower_attention.py: which einsums and softmaxes it
+takes; passes/inplace_caches.py: which caches it keeps in place)."""
 
 from __future__ import annotations
 
@@ -16,24 +17,64 @@ def _compile(func):
         return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tgt.tvm())["main"]
 
 
-@pytest.mark.parametrize("b,t,s,heads,width", [
-    (1, 1, 1, 8, 128),    # decode, the first position
-    (1, 1, 17, 8, 32),    # decode: a last tile of one position
-    (2, 5, 13, 2, 16),    # a batch, positions not a multiple of the tile, two heads
-    (1, 7, 7, 3, 48),     # an odd head count (tiles of one head)
-    (1, 64, 64, 4, 64),
-])
-def test_scores_kernel_equals_einsum(b, t, s, heads, width):
+SHAPES = [  # b, t, s, capacity, heads, width
+    (1, 1, 1, 1, 8, 128),     # decode, the first position
+    (1, 1, 17, 17, 8, 32),    # decode: a last tile of one position
+    (2, 5, 13, 13, 2, 16),    # a batch, positions not a multiple of the tile, two heads
+    (1, 7, 7, 7, 3, 48),      # an odd head count (tiles of one head)
+    (1, 64, 64, 64, 4, 64),
+    (2, 3, 11, 32, 4, 8),     # a cache buffer longer than its length (in place), a width of 8 lanes
+    (1, 1, 5, 9, 2, 24),      # a width of 8-lane vectors, 3 of them
+]
+
+
+@pytest.mark.parametrize("b,t,s,cap,heads,width", SHAPES)
+def test_scores_kernel_equals_einsum(b, t, s, cap, heads, width):
+    """Only the first s rows of the cache are read: the rest hold NaN."""
     from k3compile.kernels.attention import scores_kernel
 
     rng = np.random.default_rng(b * 100 + t + s)
     q = rng.standard_normal((b, t, heads, width), dtype=np.float32)
-    k = rng.standard_normal((b, s, width), dtype=np.float32)
+    k = np.full((b, cap, width), np.nan, np.float32)
+    k[:, :s] = rng.standard_normal((b, s, width), dtype=np.float32)
     out = tvm.runtime.empty((b, heads, t, s), "float32")
-    _compile(scores_kernel(heads, width))(tvm.runtime.tensor(q), tvm.runtime.tensor(k), out)
-    want = np.einsum("bthc,bsc->bhts", q.astype(np.float64), k.astype(np.float64))
+    _compile(scores_kernel(heads, width))(tvm.runtime.tensor(q), tvm.runtime.tensor(k), s, out)
+    want = np.einsum("bthc,bsc->bhts", q.astype(np.float64), k[:, :s].astype(np.float64))
     # fp32 sums of `width` products in another order (16 partial sums, then the lanes): ~1e-6 of sqrt(width)
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-5 * np.sqrt(width))
+
+
+@pytest.mark.parametrize("b,t,s,cap,heads,width", SHAPES)
+def test_pv_kernel_equals_einsum(b, t, s, cap, heads, width):
+    """The weighted sum over the cache's first s rows (the rest NaN, never read)."""
+    from k3compile.kernels.attention import pv_kernel
+
+    rng = np.random.default_rng(b * 100 + t + s + 1)
+    p = rng.random((b, heads, t, s), dtype=np.float32)
+    k = np.full((b, cap, width), np.nan, np.float32)
+    k[:, :s] = rng.standard_normal((b, s, width), dtype=np.float32)
+    out = tvm.runtime.empty((b, t, heads, width), "float32")
+    _compile(pv_kernel(heads, width))(tvm.runtime.tensor(p), tvm.runtime.tensor(k), s, out)
+    want = np.einsum("bhts,bsc->bthc", p.astype(np.float64), k[:, :s].astype(np.float64))
+    # fp32 sums of s products of weights in [0, 1), in position order: ~1e-7 of s
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-6 * s)
+
+
+def test_write_rows_kernel_writes_only_its_rows_and_refuses_an_overflow():
+    from k3compile.kernels.attention import write_rows_kernel
+
+    rng = np.random.default_rng(3)
+    cache = rng.standard_normal((2, 10, 24), dtype=np.float32)
+    new = rng.standard_normal((2, 3, 24), dtype=np.float32)
+    buf = tvm.runtime.tensor(cache)
+    write = _compile(write_rows_kernel(24))
+    write(buf, tvm.runtime.tensor(new), 4)
+    want = cache.copy()
+    want[:, 4:7] = new
+    np.testing.assert_array_equal(buf.numpy(), want)
+    with pytest.raises(Exception, match="do not fit its capacity"):  # rows 8..10 of a 10-row buffer
+        write(buf, tvm.runtime.tensor(new), 8)
+    np.testing.assert_array_equal(buf.numpy(), want)
 
 
 @pytest.mark.parametrize("s", [1, 15, 16, 17, 100])
@@ -70,16 +111,21 @@ def test_the_phase_takes_only_score_einsums_and_last_axis_softmax():
     k = relax.Var("k", relax.TensorType([n, s, 32], "float32"))
     odd = relax.Var("odd", relax.TensorType([n, t, 4, 24], "float32"))  # a width that is no multiple of 16
     kk = relax.Var("kk", relax.TensorType([n, s, 24], "float32"))
-    with bb.function("main", [q, k, odd, kk]):
+    heads = tvm.tirx.Var("h", "int64")
+    dyn = relax.Var("dyn", relax.TensorType([n, t, heads, 24], "float32"))  # symbolic heads: no kernel
+    with bb.function("main", [q, k, odd, kk, dyn]):
         with bb.dataflow():
             sc = bb.emit(relax.op.einsum([q, k], "bthc,bsc->bhts"))
             p = bb.emit(relax.op.nn.softmax(sc, axis=-1))
+            o = bb.emit(relax.op.einsum([p, k], "bhts,bsc->bthc"))
             other = bb.emit(relax.op.einsum([odd, kk], "bthc,bsc->bhts"))
             along = bb.emit(relax.op.nn.softmax(other, axis=2))  # not the last axis
-            out = bb.emit_output(relax.Tuple([p, along]))
+            sym = bb.emit(relax.op.einsum([dyn, kk], "bthc,bsc->bhts"))
+            out = bb.emit_output(relax.Tuple([p, along, o, sym]))
         bb.emit_func_output(out)
     lowered = str(lower_attention(resolve())(bb.get())["main"])
     assert lowered.count("k3_attention_scores_4_32") == 1 and lowered.count("k3_attention_softmax") == 1
+    assert lowered.count("k3_attention_scores_4_24") == 1 and lowered.count("k3_attention_pv_4_32") == 1
     assert lowered.count("R.einsum") == 1 and lowered.count("R.nn.softmax") == 1
     assert "k3_attention" not in str(lower_attention(resolve("opencl"))(bb.get())["main"])  # GPUs: dlight's
     tgt = resolve()
@@ -88,7 +134,13 @@ def test_the_phase_takes_only_score_einsums_and_last_axis_softmax():
                          relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     rng = np.random.default_rng(0)
     feeds = [rng.standard_normal(shape, dtype=np.float32) for shape in ((2, 3, 4, 32), (2, 5, 32), (2, 3, 4, 24),
-                                                                        (2, 5, 24))]
+                                                                        (2, 5, 24), (2, 3, 4, 24))]
     got = relax.VirtualMachine(ex, tvm.cpu())["main"](*map(tvm.runtime.tensor, feeds))
-    want = torch.softmax(torch.einsum("bthc,bsc->bhts", *map(torch.from_numpy, feeds[:2])), -1)
+    q_, k_, odd_, kk_, _ = map(torch.from_numpy, feeds)
+    want = torch.softmax(torch.einsum("bthc,bsc->bhts", q_, k_), -1)
     torch.testing.assert_close(torch.from_numpy(got[0].numpy()), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(got[1].numpy()), torch.softmax(
+        torch.einsum("bthc,bsc->bhts", odd_, kk_), 2), rtol=1e-5, atol=1e-6)
+    # outputs ~1 summed from 5 products in another order than torch's: a few fp32 ulps of 1 (2.4e-7 each)
+    torch.testing.assert_close(torch.from_numpy(got[2].numpy()), torch.einsum("bhts,bsc->bthc", want, k_),
+                               rtol=1e-5, atol=5e-6)
