@@ -131,6 +131,9 @@ def _integer_initializers_as_constants(model_proto):
     return m
 
 
+SCALARS = "k3.scalar_weights"  # passes/exact_powers.py reads it (the same name there)
+
+
 def to_relax(model_proto, keep_params: bool = False):
     """The Relax IRModule of a k3 ONNX ModelProto: `main(input_ids, attention_mask, past...)` with symbolic batch,
     seq and past, each k3 node a call of its extern symbol. The weights are constants in the module, or with
@@ -152,4 +155,8 @@ def to_relax(model_proto, keep_params: bool = False):
     mod, params = detach_params(mod)
     main = mod["main"]
     names = [p.name for p in main.params[int(main.attrs["num_input"]):]]
-    return mod, names, list(params["main"])
+    weights = list(params["main"])
+    # the scalar float weights' values, for the passes that need a constant (passes/exact_powers.py)
+    scalars = {n: float(w.numpy()) for n, w in zip(names, weights)
+               if len(w.shape) == 0 and str(w.dtype) in ("float32", "float64")}
+    return mod.with_attr(SCALARS, scalars), names, weights

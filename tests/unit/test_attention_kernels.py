@@ -144,3 +144,27 @@ def test_the_phase_takes_only_score_einsums_and_last_axis_softmax():
     # outputs ~1 summed from 5 products in another order than torch's: a few fp32 ulps of 1 (2.4e-7 each)
     torch.testing.assert_close(torch.from_numpy(got[2].numpy()), torch.einsum("bhts,bsc->bthc", want, k_),
                                rtol=1e-5, atol=5e-6)
+
+
+def test_a_square_by_a_scalar_weight_holding_2_becomes_a_product():
+    """passes/exact_powers.py: power(x, w) with w a weight whose recorded value is 2 is x * x (what torch computes
+    for x.pow(2), and powf(x, 2) exactly); another exponent, an unrecorded weight and a GPU target keep the power."""
+    from k3compile.passes.exact_powers import SCALARS, exact_powers
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n, 8], "float32"))
+    two, three, unknown = (relax.Var(name, relax.TensorType([], "float32")) for name in ("two", "three", "unknown"))
+    with bb.function("main", [x, two, three, unknown], attrs={"num_input": 1}):
+        with bb.dataflow():
+            a = bb.emit(relax.op.power(x, two))
+            b = bb.emit(relax.op.power(x, three))
+            c = bb.emit(relax.op.power(x, unknown))
+            out = bb.emit_output(relax.Tuple([a, b, c]))
+        bb.emit_func_output(out)
+    mod = bb.get().with_attr(SCALARS, {"two": 2.0, "three": 3.0})
+    got = str(exact_powers(resolve())(mod)["main"])
+    assert got.count("R.power") == 2 and "R.multiply(x, x)" in got
+    assert str(exact_powers(resolve("opencl"))(mod)["main"]).count("R.power") == 3
+    assert str(exact_powers(resolve())(bb.get())["main"]).count("R.power") == 3  # no recorded values
