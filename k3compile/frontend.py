@@ -131,7 +131,7 @@ def _integer_initializers_as_constants(model_proto):
     return m
 
 
-SCALARS = "k3.scalar_weights"  # passes/exact_powers.py reads it (the same name there)
+SCALARS = "k3.scalar_weights"  # module attr: {name: value} of the 0-d float weights (passes/exact_powers.py)
 
 
 def to_relax(model_proto, keep_params: bool = False):

@@ -4,14 +4,12 @@ weight holding 2 becomes `x * x` (docs/toolchain.md, "CPU schedules").
 The RMS norms' squares reach the graph as ONNX `Pow(x, 2.0)`, the 2.0 an initializer, which the importer keeps as
 a weight parameter; TVM lowers a power by a tensor to a libm `powf` call per element, which does not vectorize and
 left `power` unfused: 1.2 s of a 2048-token k3-small prefill (12 %). The exponent's value is known when the module
-is built: frontend.to_relax records every scalar float weight's value in the module attribute SCALARS, and this
-pass reads it. x · x is powf(x, 2) exactly (both the correctly rounded square) and is what torch computes for
+is built: frontend.to_relax records every scalar float weight's value in the module attribute `frontend.SCALARS`,
+and this pass reads it. x · x is powf(x, 2) exactly (both the correctly rounded square) and is what torch computes for
 `x.pow(2)`. Every other power is left as it is; GPU targets have their own rewrite (passes/device_legalize.py).
 """
 
 from __future__ import annotations
-
-SCALARS = "k3.scalar_weights"  # module attr: {weight name: value} of the 0-d float weights (frontend.to_relax)
 
 
 def exact_powers(target):
@@ -19,6 +17,8 @@ def exact_powers(target):
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    from k3compile.frontend import SCALARS
 
     power = tvm.ir.Op.get("relax.power")
 

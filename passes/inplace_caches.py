@@ -1,6 +1,6 @@
-"""Part of phase 5 (passes/legalize_fuse.py runs it first): on CPU targets the module gets a second entry point,
-`main_inplace`, that keeps MLA's decode caches in preallocated buffers instead of concatenating them into a new
-`present` every step (docs/architecture.md, "In-place decode caches").
+"""Part of phase 5 (passes/legalize_fuse.py runs it before lower_attention): on CPU targets the module gets a second
+entry point, `main_inplace`, that keeps MLA's decode caches in preallocated buffers instead of concatenating them
+into a new `present` every step (docs/architecture.md, "In-place decode caches").
 
 `main` takes each MLA cache as `past.{i}.latent [B, P, C]` and returns `present` = concat(past, new rows) [B, P+T,
 C]: every decode step copies the whole cache, and its attention reads the copy. `main_inplace` takes the same
@@ -185,8 +185,8 @@ def _last_position_logits(func, mod):
             if not call.same_as(head):
                 return self.visit_expr_post_order(call)
             rows = self.visit_expr(x)
-            last = self.builder_.emit(relax.op.strided_slice(rows, axes=[1], begin=[seq - 1], end=[seq],
-                                                                     assume_inbound=True))
+            last = self.builder_.emit(
+                relax.op.strided_slice(rows, axes=[1], begin=[seq - 1], end=[seq], assume_inbound=True))
             if head.op.same_as(call_tir):
                 shape = [out.shape[0], 1, out.shape[2]]
                 return relax.call_tir(callee, [last, self.visit_expr(head.args[1].fields[1])],
@@ -200,8 +200,8 @@ def _last_position_logits(func, mod):
 
 
 def inplace_caches(target):
-    """The pass (a tvm.transform.ModulePass) for `target` (a k3compile.targets.Target): adds `main_inplace` on CPU
-    targets."""
+    """The pass (a tvm.transform.ModulePass) for `target` (a k3compile.targets.Target): adds `main_inplace` (and
+    `main_inplace_last`) on CPU targets."""
     import tvm
 
     @tvm.transform.module_pass(opt_level=0, name="K3InplaceCaches")

@@ -16,35 +16,40 @@ from __future__ import annotations
 OPAQUE = 8  # TVM's OpPatternKind kOpaque: FuseOps leaves the call alone
 
 
-def scores_form(subscripts: str) -> bool:
-    """Whether einsum `subscripts` is the score contraction: "xyzw,xvw->xzyv", seven distinct roles (b t h c, s)."""
+def _operands(subscripts: str) -> tuple[str, str, str] | None:
+    """(the four-dim operand's letters, the three-dim one's, the output's) of einsum `subscripts` when both operands
+    have distinct letters, else None."""
     try:
         inputs, out = subscripts.replace(" ", "").split("->")
         a, k = inputs.split(",")
     except ValueError:
-        return False
+        return None
     if len(a) != 4 or len(k) != 3 or len(set(a)) != 4 or len(set(k)) != 3:
+        return None
+    return a, k, out
+
+
+def scores_form(subscripts: str) -> bool:
+    """Whether einsum `subscripts` is the score contraction: "xyzw,xvw->xzyv", seven distinct roles (b t h c, s)."""
+    parts = _operands(subscripts)
+    if parts is None:
         return False
-    b, t, h, c = a
+    (b, t, h, c), k, out = parts
     s = k[1]
-    return k[0] == b and k[2] == c and s not in a and out == b + h + t + s
+    return k[0] == b and k[2] == c and s not in (b, t, h, c) and out == b + h + t + s
 
 
 def pv_form(subscripts: str) -> bool:
     """Whether einsum `subscripts` is the weighted sum over the cache: "xyzw,xwv->xzyv" (b h t s, b s c -> b t h c)."""
-    try:
-        inputs, out = subscripts.replace(" ", "").split("->")
-        p, k = inputs.split(",")
-    except ValueError:
+    parts = _operands(subscripts)
+    if parts is None:
         return False
-    if len(p) != 4 or len(k) != 3 or len(set(p)) != 4 or len(set(k)) != 3:
-        return False
-    b, h, t, s = p
+    (b, h, t, s), k, out = parts
     c = k[2]
-    return k[0] == b and k[1] == s and c not in p and out == b + t + h + c
+    return k[0] == b and k[1] == s and c not in (b, h, t, s) and out == b + t + h + c
 
 
-def attention_call(kernel_for, subscripts: str, q, k, length, out_shape=None):
+def attention_call(kernel_for, subscripts: str, q, k, length):
     """`call_tir` of the kernel for einsum `subscripts` ((scores_form or pv_form) of q (or the weights) and the cache
     k, fp32, heads and width static), reading `length` rows of k; None when the einsum is no such form.
     `kernel_for(kind, heads, width)` gives the kernel's GlobalVar."""

@@ -149,8 +149,10 @@ def test_the_phase_takes_only_score_einsums_and_last_axis_softmax():
 def test_a_square_by_a_scalar_weight_holding_2_becomes_a_product():
     """passes/exact_powers.py: power(x, w) with w a weight whose recorded value is 2 is x * x (what torch computes
     for x.pow(2), and powf(x, 2) exactly); another exponent, an unrecorded weight and a GPU target keep the power."""
-    from k3compile.passes.exact_powers import SCALARS, exact_powers
+    from k3compile.passes.exact_powers import exact_powers
     from tvm import relax
+
+    from k3compile.frontend import SCALARS
 
     bb = relax.BlockBuilder()
     n = tvm.tirx.Var("n", "int64")
