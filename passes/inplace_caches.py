@@ -45,7 +45,7 @@ def _cache_inputs(main) -> dict | None:
     concat = tvm.ir.Op.get("relax.concat")
     einsum = tvm.ir.Op.get("relax.einsum")
     inputs = list(main.params[: _num_input(main)])
-    uses: dict = {}  # var -> [binding value using it]
+    uses: dict = {}  # var -> [(the var bound, its value) of each binding using it]
     bound: dict = {}  # var -> its value
     for block in main.body.blocks:
         for binding in block.bindings:
@@ -53,14 +53,14 @@ def _cache_inputs(main) -> dict | None:
                 return None
             bound[binding.var] = binding.value
             for v in relax.analysis.free_vars(binding.value):
-                uses.setdefault(v, []).append(binding.value)
+                uses.setdefault(v, []).append((binding.var, binding.value))
     result = main.body.body
     result_tuple = bound.get(result) if isinstance(result, relax.Var) else result
 
     caches = {}
     for p in inputs:
-        users = [(var, value) for var, value in bound.items() if any(value.same_as(u) for u in uses.get(p, []))]
-        if len(uses.get(p, [])) != 1 or len(users) != 1:
+        users = uses.get(p, [])
+        if len(users) != 1:
             continue
         var, call = users[0]
         if not (isinstance(call, relax.Call) and call.op.same_as(concat) and int(call.attrs.axis) == 1
@@ -68,7 +68,7 @@ def _cache_inputs(main) -> dict | None:
                 and call.args[0].fields[0].same_as(p) and p.ty.ndim == 3 and str(p.ty.dtype) == "float32"
                 and isinstance(p.ty.shape[1], tvm.tirx.Var)):
             continue
-        for use in uses.get(var, []):
+        for _, use in uses.get(var, []):
             if use.same_as(result_tuple):
                 continue
             ok = (isinstance(use, relax.Call) and use.op.same_as(einsum) and isinstance(use.args[0], relax.Tuple)
@@ -85,7 +85,7 @@ def with_inplace_function(mod):
     """`mod` with `main_inplace` of its `main` (and the kernels it calls) added; `mod` itself when `main` has no MLA
     cache of the exported form."""
     import tvm
-    from k3compile.passes.lower_attention import OPAQUE, attention_call, kernel_maker
+    from k3compile.passes.lower_attention import attention_call, attention_kernels, opaque_kernels
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
     from tvm.relax.utils import copy_with_new_vars
@@ -110,19 +110,16 @@ def with_inplace_function(mod):
     class InPlace(PyExprMutator):
         def __init__(self, mod):
             super().__init__(mod)
-            self.writers: dict = {}
-            self.kernel_for = kernel_maker(self.builder_, {})
+            self.add = opaque_kernels(self.builder_)
+            self.kernel_for = attention_kernels(self.add)
 
         def visit_call_(self, call):
             if call.op.same_as(concat) and isinstance(call.args[0], relax.Tuple) and call.args[0].fields[0] in caches:
                 p, new = call.args[0].fields
                 buf = buffers[p]
                 width = int(p.ty.shape[2])
-                if width not in self.writers:
-                    self.writers[width] = self.builder_.add_func(
-                        write_rows_kernel(width).with_attr("op_pattern", OPAQUE), f"k3_cache_write_rows_{width}")
-                return relax.call_tir_inplace(self.writers[width], [buf, self.visit_expr(new), relax.prim_value(past)],
-                                              [0], buf.ty)
+                write = self.add(("write", width), lambda: write_rows_kernel(width), f"k3_cache_write_rows_{width}")
+                return relax.call_tir_inplace(write, [buf, self.visit_expr(new), relax.prim_value(past)], [0], buf.ty)
             new_call = self.visit_expr_post_order(call)
             if new_call.op.same_as(einsum) and isinstance(new_call.args[0], relax.Tuple):
                 q, k = new_call.args[0].fields

@@ -69,18 +69,25 @@ def attention_call(kernel_for, subscripts: str, q, k, length):
     return relax.call_tir(gv, [q, k, relax.prim_value(length)], relax.TensorType(shape, "float32"))
 
 
-def kernel_maker(builder, kernels: dict):
-    """`kernel_for(kind, heads, width)` of `attention_call` that adds each kernel to `builder` once (kept in
-    `kernels`), opaque to fusion."""
+def opaque_kernels(builder):
+    """`add(key, make, name)`: the GlobalVar of kernel `make()` in `builder`, added once per key, opaque to fusion."""
+    kernels: dict = {}
+
+    def add(key, make, name: str):
+        if key not in kernels:
+            kernels[key] = builder.add_func(make().with_attr("op_pattern", OPAQUE), name)
+        return kernels[key]
+
+    return add
+
+
+def attention_kernels(add):
+    """`kernel_for(kind, heads, width)` of `attention_call`, each kernel added through `add` (opaque_kernels)."""
     from k3compile.kernels.attention import pv_kernel, scores_kernel
 
     def kernel_for(kind: str, heads: int, width: int):
-        key = (kind, heads, width)
-        if key not in kernels:
-            make = scores_kernel if kind == "scores" else pv_kernel
-            kernels[key] = builder.add_func(make(heads, width).with_attr("op_pattern", OPAQUE),
-                                            f"k3_attention_{kind}_{heads}_{width}")
-        return kernels[key]
+        make = scores_kernel if kind == "scores" else pv_kernel
+        return add((kind, heads, width), lambda: make(heads, width), f"k3_attention_{kind}_{heads}_{width}")
 
     return kernel_for
 
@@ -100,20 +107,15 @@ def lower_attention(target):
     class Lower(PyExprMutator):
         def __init__(self, mod):
             super().__init__(mod)
-            self.kernels: dict[object, object] = {}  # key -> the GlobalVar of its kernel
-            self.kernel_for = kernel_maker(self.builder_, self.kernels)
-
-        def _kernel(self, key, make, name: str):
-            if key not in self.kernels:
-                self.kernels[key] = self.builder_.add_func(make().with_attr("op_pattern", OPAQUE), name)
-            return self.kernels[key]
+            self.add = opaque_kernels(self.builder_)
+            self.kernel_for = attention_kernels(self.add)
 
         def visit_call_(self, call):
             call = self.visit_expr_post_order(call)
             if call.op.same_as(softmax):
                 x = call.args[0]
                 if (str(x.ty.dtype) == "float32" and x.ty.ndim == 4 and int(call.attrs.axis) in (-1, 3)):
-                    return relax.call_tir(self._kernel("softmax", softmax_kernel, "k3_attention_softmax"), [x],
+                    return relax.call_tir(self.add("softmax", softmax_kernel, "k3_attention_softmax"), [x],
                                           relax.TensorType(x.ty.shape, "float32"))
                 return call
             if not call.op.same_as(einsum) or not isinstance(call.args[0], relax.Tuple):

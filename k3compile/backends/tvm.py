@@ -107,6 +107,10 @@ class TvmBackend:
         self.inplace = self._has(INPLACE_FUNC)
         self._last = self._has(LAST_FUNC)
 
+    def _vm_for(self, input_ids):
+        """compile --tune's decode library for a batch-1 decode step, when the artifact has one; else main's."""
+        return self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+
     def _has(self, name: str) -> bool:
         """Whether the library (and compile --tune's decode library, when there is one) has function `name`."""
         return all(vm is None or _has_function(vm, name) for vm in (self._vm, self._decode_vm))
@@ -159,7 +163,7 @@ class TvmBackend:
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         check_step(self.config, input_ids, attention_mask, past)
-        vm = self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        vm = self._vm_for(input_ids)
         if self.inplace:
             return self._step_inplace(vm, INPLACE_FUNC, input_ids, attention_mask, past)
         feeds = [self._input(x) for x in numpy_inputs(input_ids, attention_mask, past)]
@@ -190,7 +194,7 @@ class TvmBackend:
             logits, present = self.step(input_ids, attention_mask, past)
             return logits[:, -1:], present
         check_step(self.config, input_ids, attention_mask, past)
-        vm = self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        vm = self._vm_for(input_ids)
         return self._step_inplace(vm, LAST_FUNC, input_ids, attention_mask, past)
 
     def _step_inplace(self, vm, function: str, input_ids, attention_mask, past: Past):
@@ -207,9 +211,9 @@ class TvmBackend:
                 self._input(t.detach().cpu().numpy().astype(np.float32, copy=False)) for t in pair]
         outs = vm[function](*feeds, tvm.runtime.ShapeTuple([length]), *self._params)
         mla = caches.present(mask.shape[1])  # the buffers main_inplace wrote and returned, as views
-        flat = [torch.from_dlpack(o) for o in outs]
-        present = [mla.get(i, pair) for i, pair in enumerate(unflatten(flat[1:]))]
-        return flat[0], present
+        present = [mla[i] if i in mla else (torch.from_dlpack(a), torch.from_dlpack(b))
+                   for i, (a, b) in enumerate(unflatten(list(outs)[1:]))]
+        return torch.from_dlpack(outs[0]), present
 
 
 def _has_function(vm, name: str) -> bool:
