@@ -43,10 +43,12 @@ from k3compile.llama_bench import QUIET_BOUND
 # opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
 # artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
 # executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
-BACKENDS = ("eager", "onnx", "tvm", "opencl", "opencl-kernels", "webgpu")
+BACKENDS = ("eager", "onnx", "tvm", "tvm-mxfp8", "opencl", "opencl-kernels", "webgpu")
+TVM_MXFP8 = "tvm-mxfp8"  # TVM with the dense matrices exported as MXFP8 (compile's --dense-weights mxfp8)
 LLAMA = "llama.cpp"  # the peer's rows (k3compile/llama_bench.py), with --llama-bench and --gguf
 PAST_CHUNK = 1024  # tokens per prefill step when building a long past (a step's scores: heads x chunk x past)
-PAST_BACKENDS = ("tvm", LLAMA)  # the backends --decode-past measures (eager and onnxruntime take minutes per past)
+# the backends --decode-past measures (eager and onnxruntime take minutes per past)
+PAST_BACKENDS = ("tvm", TVM_MXFP8, LLAMA)
 DEVICE_BACKENDS = ("opencl", "opencl-kernels", "webgpu")  # the backends that run a GPU artifact: target by name
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
@@ -121,16 +123,17 @@ def weight_table(path: Path) -> dict:
     return table
 
 
-def decode_bytes(config, weights: dict) -> int:
+def decode_bytes(config, weights: dict, experts: list[str] | None = None) -> int:
     """Weight bytes one decode token reads from the artifact: all of them, minus the embedding table but one row,
-    minus the routed experts a token does not use (top-k of E; the packed experts are the artifact's only uint8
-    tensors, whatever name the compile gave their re-laid copies)."""
+    minus the routed experts a token does not use (top-k of E). `experts`: the manifest's `expert_params` (the
+    weights the expert kernels take); an artifact made before it was recorded: its uint8 tensors (then only the
+    packed experts were)."""
     total = 0
     routed = config.num_experts_per_token / max(config.num_experts, 1)
     for name, (shape, dtype, nbytes) in weights.items():
         if "embed_tokens" in name:
             total += nbytes // shape[0]
-        elif dtype == "U8":
+        elif name in experts if experts is not None else dtype == "U8":
             total += int(nbytes * routed)
         else:
             total += nbytes
@@ -444,6 +447,8 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     target = resolve(target)  # a Target, or its name
     artifact = Path(cached_artifact(source, target=target, progress=step))  # the roofline reads it in any case
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
+               else str(cached_artifact(source, target=target, progress=step, dense_weights="mxfp8"))
+               if name == TVM_MXFP8
                else str(cached_artifact(source, target=name.split("-")[0], progress=step)) if name in DEVICE_BACKENDS
                else str(cached_export(source, progress=step)) for name in backends}
     config = read_config(artifact / "config.json")
@@ -500,14 +505,22 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     result["kda"] = kda_scaling(config, target, repeats)
 
     weights = weight_table(artifact / WEIGHTS)
-    per_token = decode_bytes(config, weights)
+    per_token = decode_bytes(config, weights, manifest.get("expert_params"))
     ceiling = bandwidth / per_token
-    tvm_decode = result["decode"].get("1", {}).get("tokens_per_s", {}).get("tvm", {}).get("median")
+    decode_1 = result["decode"].get("1", {}).get("tokens_per_s", {})
+    tvm_decode = decode_1.get("tvm", {}).get("median")
     result["roofline"] = {
         "bandwidth_gb_s": bandwidth / 1e9, "bytes_per_decode_token": per_token,
         "ceiling_tokens_per_s": ceiling,
         "tvm_fraction": tvm_decode / ceiling if tvm_decode else None,
     }
+    if TVM_MXFP8 in folders:  # its own bytes per token: a quarter of fp32's for the dense matrices
+        mx = Path(folders[TVM_MXFP8])
+        mx_bytes = decode_bytes(config, weight_table(mx / WEIGHTS), read_manifest(mx).get("expert_params"))
+        mx_decode = decode_1.get(TVM_MXFP8, {}).get("median")
+        result["roofline"].update({
+            "mxfp8_bytes_per_decode_token": mx_bytes, "mxfp8_ceiling_tokens_per_s": bandwidth / mx_bytes,
+            "tvm_mxfp8_fraction": mx_decode * mx_bytes / bandwidth if mx_decode else None})
     weight_bytes = sum(nbytes for _, _, nbytes in weights.values())
     result["artifact_weight_bytes"] = weight_bytes
     if "tvm" in load and "peak_rss_bytes" in load["tvm"]:

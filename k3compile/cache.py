@@ -121,8 +121,9 @@ def _discard(folder: Path) -> None:
 
 
 def cached_export(source: str, seed: int = 0, weights: str = "auto", activations: str = "none",
-                  progress: Callable[[str], None] | None = None) -> Path:
-    """An export folder of SOURCE in the cache, exported (parity-checked) on first use."""
+                  progress: Callable[[str], None] | None = None, dense_weights: str = "source") -> Path:
+    """An export folder of SOURCE in the cache, exported (parity-checked) on first use; `dense_weights` "mxfp8":
+    its dense matrices quantized (k3compile/quant/dense.py)."""
     from k3compile import source as sources
     from k3compile.interface import open_export
     from k3compile.pipeline import export_checked
@@ -133,16 +134,24 @@ def cached_export(source: str, seed: int = 0, weights: str = "auto", activations
     def build(folder: Path) -> None:
         step(f"exporting {source} into the cache ({folder})")
         model = sources.load_model(source, seed=seed, experts=weights)
-        export_checked(model, folder, activations=activations, source=record, progress=progress)
+        export_checked(model, folder, activations=activations, source=record, progress=progress,
+                       dense_weights=dense_weights)
 
-    return _cached("exports", entry_key("export", record, {"activations": activations}),
+    return _cached("exports", entry_key("export", record, {"activations": activations, **_dense_key(dense_weights)}),
                    lambda f: open_export(f, graph=True), build, progress)
 
 
+def _dense_key(dense_weights: str) -> dict:
+    """The key's part for the dense weights: none for the source's (the entries made before there was a choice)."""
+    return {} if dense_weights == "source" else {"dense_weights": dense_weights}
+
+
 def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "auto",
-                    activations: str = "none", progress: Callable[[str], None] | None = None) -> Path:
+                    activations: str = "none", progress: Callable[[str], None] | None = None,
+                    dense_weights: str = "source") -> Path:
     """A compiled artifact of SOURCE for `target` (a k3compile.targets.Target, or its name) in the cache, exported
-    and compiled on first use."""
+    and compiled on first use (its dense matrices as compile's auto stores them: MXFP8 for `dense_weights`
+    "mxfp8")."""
     from k3compile import source as sources
     from k3compile.compile import compile_export
     from k3compile.manifest import read_manifest
@@ -152,11 +161,11 @@ def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "a
     tgt = resolve(target)
 
     def build(folder: Path) -> None:
-        export = cached_export(source, seed, weights, activations, progress)
+        export = cached_export(source, seed, weights, activations, progress, dense_weights)
         (progress or (lambda msg: None))(f"compiling {source} for {tgt.name} into the cache ({folder})")
         compile_export(export, folder, target=tgt, progress=progress)
 
-    return _cached("artifacts", entry_key("artifact", record, {"activations": activations,
+    return _cached("artifacts", entry_key("artifact", record, {"activations": activations, **_dense_key(dense_weights),
                                                                "target": tgt.describe()}),
                    read_manifest, build, progress)
 

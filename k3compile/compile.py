@@ -69,6 +69,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
         _dump_folder(dump_ir, create=False, apart_from=(out, export_dir))  # refused before any work; created once
         # the compile starts
     doc, cfg = open_export(export_dir, graph=True)
+    dense = export_dense(doc, dense)
     t0 = time.perf_counter()
     with writing(out, ExportError, overwrite, protect=(export_dir,)) as w, tempfile.TemporaryDirectory() as work:
         mod, executable, names, params = build(export_dir, tgt, progress=step, dump_ir=dump_ir,
@@ -96,6 +97,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "interface": GraphInterface.of(cfg).as_record(),
             "params": names,
             "dense_weights": tgt.dense_format.value,
+            "dense_matrices": dense_matrices(mod),
+            "expert_params": expert_weights(mod),
             **({"tuning": tuning} if tuning else {}),
             "compile_s": round(time.perf_counter() - t0, 3),
             "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
@@ -174,6 +177,8 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
     step("importing into TVM Relax")
     mod, raw_names, raw = to_relax(proto, keep_params=True)
     tgt = dense_target(tgt, raw_names, raw, dense)
+    if tgt.dense_format == "mxfp8":
+        mod = dense_values(raw_names, raw, mod)
     step(f"lowering and scheduling for {tgt.describe()}")
     dump = _dump_folder(dump_ir) if dump_ir is not None else None
     if tgt.gpu:
@@ -190,6 +195,9 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
         tgt = tgt.with_dense("fp32")  # auto: a packed weight that was not 2-D holds other values; keep fp32
         phased = run_phases(mod, tgt).with_attr(DENSE_FORMAT, tgt.dense_format.value)
     mod = phased
+    if tgt.dense_format == "mxfp8" and "mxfp8" not in dense_matrices(mod):
+        raise ExportError("--dense-weights mxfp8: no matrix this build multiplies by holds MXFP8 values along its "
+                          "reduction dim; export with --dense-weights mxfp8")
     _no_extern_calls(mod, tgt)
     names = weight_names(mod)
     step("compiling")
@@ -215,22 +223,70 @@ def _holds_bf16(value) -> bool:
 
 def dense_target(tgt: Target, names: list[str], raw: list, dense: str = "auto") -> Target:
     """`tgt` storing its dense matrices as `dense` (docs/architecture.md, "Dense weights"): "fp32"; "bf16" (half the
-    bytes, widened in the kernel; only for weights that hold bf16 values, checked by `check_dense`); "auto": bf16
-    when every fp32 matrix (2-D weight) holds bf16 values (a bf16 checkpoint, a preset), else fp32. A target
-    without dense panels (the GPUs) keeps fp32."""
+    bytes, widened in the kernel; only for weights that hold bf16 values, checked by `check_dense`); "mxfp8" (a
+    quarter, decoded in the kernel: the matrices an export quantized, `dense_values`); "auto": bf16 when every fp32
+    matrix (2-D weight) holds bf16 values (a bf16 checkpoint, a preset), else fp32 (`compile_export` turns auto
+    into mxfp8 for an export made so). A target without dense panels (the GPUs) keeps fp32."""
     from k3compile.modes import DENSE_CHOICES, DenseFormat
 
     if dense not in DENSE_CHOICES:
         raise ExportError(f"--dense-weights takes one of {', '.join(DENSE_CHOICES)}, got {dense!r}")
     if not tgt.dense_panel:
-        if dense == DenseFormat.BF16:
-            raise ExportError(f"--dense-weights bf16: target {tgt.name!r} reads its dense weights as fp32 (its matmul "
-                              "kernels have no bf16 form yet); use fp32 or auto")
+        if dense in (DenseFormat.BF16, DenseFormat.MXFP8):
+            raise ExportError(f"--dense-weights {dense}: target {tgt.name!r} reads its dense weights as fp32 (its "
+                              "matmul kernels have no bf16 or mxfp8 form yet); use fp32 or auto")
         return tgt.with_dense(DenseFormat.FP32)
     if dense == "auto":
         matrices = [w for w in raw if len(w.shape) == 2 and str(w.dtype) == "float32"]
         dense = DenseFormat.BF16 if matrices and all(_holds_bf16(m.numpy()) for m in matrices) else DenseFormat.FP32
     return tgt.with_dense(dense)
+
+
+def dense_values(names: list[str], raw: list, *mods):
+    """`mods` with the attrs an mxfp8 build's phase 2 reads (passes/pack_dense_weights.py): which 2-D fp32 weights
+    hold MXFP8 values, and along which axis ("name:axis"), and which hold bf16 values (stored so when they are
+    not MXFP8). Read from the values themselves (`raw`, named `names`), so an export's record is never trusted for
+    it. One module in, one out; several in (main and the tuned decode step), a tuple."""
+    from k3compile.passes.pack_dense_weights import BF16_WEIGHTS, MXFP8_WEIGHTS
+    from k3compile.quant.dense import holds_mxfp8
+
+    mx, bf16 = [], []
+    for name, w in zip(names, raw):
+        if len(w.shape) != 2 or str(w.dtype) != "float32":
+            continue
+        value = w.numpy()
+        mx += [f"{name}:{axis}" for axis in (0, 1) if holds_mxfp8(value, axis)]
+        if _holds_bf16(value):
+            bf16.append(name)
+    out = tuple(m.with_attr(MXFP8_WEIGHTS, mx).with_attr(BF16_WEIGHTS, bf16) for m in mods)
+    return out[0] if len(out) == 1 else out
+
+
+def export_dense(doc: dict, dense: str) -> str:
+    """The --dense-weights a build of an export (its record `doc`) uses: auto is mxfp8 for an export quantized so
+    (quant/dense.py); mxfp8 needs such an export (the values are chosen when the model is exported, where eager
+    is quantized alike, not by the compiler)."""
+    from k3compile.modes import DenseFormat
+
+    held = doc.get("dense_weights", "source")
+    if dense == "auto" and held == DenseFormat.MXFP8:
+        return DenseFormat.MXFP8.value
+    if dense == DenseFormat.MXFP8 and held != DenseFormat.MXFP8:
+        raise ExportError("--dense-weights mxfp8: this export holds the source's dense weights; export it with "
+                          "--dense-weights mxfp8 (the model is quantized there, so eager and verify hold the same "
+                          "values)")
+    return dense
+
+
+def dense_matrices(mod) -> dict[str, int]:
+    """How many of a built module's packed matrices each dense format stores ({} before phase 2, or on a GPU)."""
+    from k3compile.passes.pack_dense_weights import PACKED
+
+    counts: dict[str, int] = {}
+    if mod.attrs is not None and PACKED in mod.attrs:
+        for fmt in mod.attrs[PACKED].values():
+            counts[str(fmt)] = counts.get(str(fmt), 0) + 1
+    return counts
 
 
 def dense_format(mod) -> str:
@@ -247,7 +303,8 @@ def check_dense(mod, names: list[str], raw: list, checked: set[str] = frozenset(
 
     if dense_format(mod) != "bf16":
         return
-    packed = {str(n) for n in mod.attrs[PACKED]} if PACKED in mod.attrs else set()
+    stored = mod.attrs[PACKED].items() if PACKED in mod.attrs else ()
+    packed = {str(n) for n, fmt in stored if str(fmt) == "bf16"}
     for name, w in zip(names, raw):
         if name in packed and name not in checked and not _holds_bf16(w.numpy()):
             raise ExportError(f"--dense-weights bf16: weight {name} holds values bf16 cannot represent exactly; "
@@ -258,6 +315,26 @@ def weight_names(mod) -> list[str]:
     """main's weight parameters (after its graph inputs), each name once: the manifest's `params`."""
     main = mod["main"]
     return _unique([p.name for p in main.params[int(main.attrs["num_input"]):]])
+
+
+def expert_weights(mod) -> list[str]:
+    """The weights of main that its routed-expert kernels (k3_latent_moe_dispatch*) take: the manifest's
+    `expert_params` (a decode token reads top-k / E of them: bench's roofline)."""
+    import tvm
+    from tvm import relax
+
+    main = mod["main"]
+    params = set(main.params[int(main.attrs["num_input"]):])
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    found: list[str] = []
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and expr.op.same_as(call_tir)
+                and expr.args[0].name_hint.startswith("k3_latent_moe_dispatch")):
+            found.extend(a.name for a in expr.args[1].fields if isinstance(a, relax.Var) and a in params)
+
+    relax.analysis.post_order_visit(main, visit)
+    return _unique(found)
 
 
 def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):
@@ -376,10 +453,12 @@ def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Pat
     step = progress or (lambda msg: None)
     step("importing the decode step (batch = seq = 1)")
     proto = onnx.load(str(Path(export_dir) / MODEL_FILE))
-    main_mod, _, _ = to_relax(proto, keep_params=True)
-    main_mod = run_phases(main_mod, tgt, upto="lift-weight-transforms")
+    main_mod, names, raw = to_relax(proto, keep_params=True)
     mod, _, _ = to_relax(decode_proto(proto), keep_params=True)
-    del proto
+    if tgt.dense_format == "mxfp8":  # the same matrices stored the same way as main's
+        main_mod, mod = dense_values(names, raw, main_mod, mod)
+    main_mod = run_phases(main_mod, tgt, upto="lift-weight-transforms")
+    del proto, raw
     mod = run_phases(mod, tgt, upto="lift-weight-transforms")
     if not _same_transform(mod, main_mod, tvm_ffi.structural_equal):
         raise ExportError(f"{export_dir}: the decode step's weights are not main's; it cannot be tuned apart")

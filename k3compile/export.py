@@ -45,7 +45,7 @@ from k3compile.interface import (
     write_record,
 )
 from k3compile.model.k3 import K3ForCausalLM
-from k3compile.modes import ACT_QUANT_FLAGS, Forms
+from k3compile.modes import ACT_QUANT_FLAGS, DENSE_QUANT, Forms
 from k3compile.ops import function_bodies, kda_recurrence, register_schemas, translation_table
 from k3compile.ops.onnx_body import DOMAIN
 
@@ -218,10 +218,12 @@ def check_opset(opset: int) -> None:
         raise ExportError(f"--opset {opset} is above {onnx.defs.onnx_opset_version()}, the newest this onnx knows")
 
 
-def check_format(opset: int, activations: str) -> None:
+def check_format(opset: int, activations: str, dense_weights: str = "source") -> None:
     check_opset(opset)
     if activations not in ACTIVATIONS:
         raise ExportError(f"--activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
+    if dense_weights not in DENSE_QUANT:
+        raise ExportError(f"dense weights {dense_weights!r}: an export holds one of {', '.join(DENSE_QUANT)}")
 
 
 def check_options(out: str | Path, opset: int, activations: str, overwrite: bool,
@@ -252,18 +254,20 @@ def export(
     check: Callable[[Path], list[dict]] | None = None,
     tolerance: float = DEFAULT_TOL,
     progress: Callable[[str], None] | None = None,
+    dense_weights: str = "source",
 ) -> dict:
     """Export `model` into folder `out` (model.onnx [+ model.onnx.data], config.json, export.json); returns the
     export.json document. `source` records where the weights came from (for `k3compile verify`); OUT is never
     that source. `check(folder)` runs on the finished folder before it is renamed into place and returns parity
     rows (phase, output, max_abs, max_rel); past `tolerance` (or on NaN) the export fails and writes nothing.
-    `pipeline.export_checked` passes onnxruntime-vs-eager as the check."""
+    `pipeline.export_checked` passes onnxruntime-vs-eager as the check. `dense_weights` is recorded: what the
+    model's dense matrices hold ("source", or "mxfp8" for a model `quant.dense.with_dense_weights` quantized)."""
     import onnx
 
     step = progress or (lambda msg: None)
     out = Path(out)
     protect = source_paths(source)
-    check_format(opset, activations)  # OUT itself is checked by the writer, before anything is traced
+    check_format(opset, activations, dense_weights)  # OUT is checked by the writer, before anything is traced
     if not (tolerance >= 0 and math.isfinite(tolerance)):
         raise ExportError(f"tolerance must be a finite number >= 0, got {tolerance}")
     cfg = model.config
@@ -290,6 +294,7 @@ def export(
             "opset": opset,
             "ir_version": m.ir_version,
             "activations": activations,
+            "dense_weights": dense_weights,
             "expert_format": cfg.expert_format,
             "config_sha256": sha256_file(tmp / CONFIG_FILE),
             "inputs": {i.name: _shape(i) for i in m.graph.input},

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from k3compile.config import EXPERT_CHOICES, K3Config, read_config
 from k3compile.errors import UserError
-from k3compile.modes import ACT_QUANT_FLAGS
+from k3compile.modes import ACT_QUANT_FLAGS, DENSE_QUANT
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -230,6 +230,9 @@ def read_record(folder: str | Path) -> dict:
     if not _choice(doc.get("activations", "none"), ACT_QUANT_FLAGS):
         raise _record_error(folder, f"activations: {doc.get('activations')!r} is not one of "
                                     f"{', '.join(ACT_QUANT_FLAGS)}")
+    if not _choice(doc.get("dense_weights", "source"), DENSE_QUANT):
+        raise _record_error(folder, f"dense_weights: {doc.get('dense_weights')!r} is not one of "
+                                    f"{', '.join(DENSE_QUANT)}")
     sha = doc.get("config_sha256")
     if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         raise _record_error(folder, "config_sha256: not a sha256 digest")

@@ -37,9 +37,14 @@ class DenseFormat(str, Enum):
 
     FP32 = "fp32"
     BF16 = "bf16"  # the upper 16 bits of the fp32 value, widened in the matmul kernel by a 16-bit shift
+    MXFP8 = "mxfp8"  # OCP E4M3 codes + E8M0 scales per 32 values along K, decoded in the matmul kernel
 
 
-DENSE_CHOICES = ("auto", *(f.value for f in DenseFormat))  # auto: bf16 where that is lossless, else fp32
+# auto: what the export holds (mxfp8 when it was exported so), else bf16 where that is lossless, else fp32
+DENSE_CHOICES = ("auto", *(f.value for f in DenseFormat))
+# What an export's dense matrices hold (export.json "dense_weights"): the source's values, or their MXFP8 values
+# (quantized at export: k3compile/quant/dense.py), which eager applies too when it rebuilds the model.
+DENSE_QUANT = ("source", DenseFormat.MXFP8.value)
 
 
 class Activation(str, Enum):

@@ -17,6 +17,7 @@ from k3compile.export import DEFAULT_TOL, MIN_OPSET, export
 from k3compile.interface import ExportError, open_export
 from k3compile.model.k3 import K3ForCausalLM
 from k3compile.modes import ACT_QUANT_FLAGS, Forms
+from k3compile.quant.dense import with_dense_weights
 from k3compile.source import check_unchanged, load_model
 from k3compile.threads import default_threads, use_threads
 
@@ -45,12 +46,16 @@ def export_checked(
     tolerance: float = DEFAULT_TOL,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
+    dense_weights: str = "source",
 ) -> dict:
     """`export` gated on parity: onnxruntime must match eager within `tolerance` in every output (prefill and two
-    decode steps) or nothing is written. Returns the export.json document, parity rows included."""
+    decode steps) or nothing is written. Returns the export.json document, parity rows included. `dense_weights`
+    "mxfp8" exports (and checks against) a copy of `model` whose dense matrices hold their MXFP8 values
+    (quant/dense.py); the record says so, and `eager_of` quantizes the same way."""
+    model = with_dense_weights(model, dense_weights)
     check = parity_check(model, activations, threads) if verify_parity else None
     return export(model, out, opset=opset, activations=activations, source=source, overwrite=overwrite,
-                  check=check, tolerance=tolerance, progress=progress)
+                  check=check, tolerance=tolerance, progress=progress, dense_weights=dense_weights)
 
 
 def eager_of(folder: str | Path, source: str | None = None, threads: int | None = None) -> EagerBackend:
@@ -66,6 +71,7 @@ def eager_of(folder: str | Path, source: str | None = None, threads: int | None 
         check_unchanged(rec, f"the export {folder}")
     model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
     verify.check_model(model.config, cfg)
+    model = with_dense_weights(model, doc.get("dense_weights", "source"))
     use_threads(threads or default_threads(cfg))
     return EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[doc.get("activations", "none")]))
 

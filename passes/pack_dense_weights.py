@@ -12,12 +12,31 @@ bits (uint16: numpy has no bf16), also made at compile time, and the kernel wide
 shift into an fp32 register): half the bytes a decode step streams, the same fp32 arithmetic. The bits are cut, not
 rounded: compile.py narrows only weights that hold bf16 values (a bf16 checkpoint, a preset), where cutting is
 exact, and refuses the others.
+
+With the dense format mxfp8 a matrix that holds MXFP8 values along its reduction dim K (an export made with
+`--dense-weights mxfp8`: k3compile/quant/dense.py; compile.py lists them in the module attr MXFP8_WEIGHTS with
+the axis of the parameter that is K) is stored as E4M3 codes [N/P, K, P] (uint8) and E8M0 scales [N/P, K/32, P]
+(uint8), both made at compile time (`mxfp8_codes_te`, `mxfp8_scales_te`: the OCP floor rule, exact for such
+values), and the kernel decodes each code with two bit operations (`mxfp8_code_value`), sums a block's 32
+products and applies the block's scale once (`packed_mx_matmul_te`): a quarter of fp32's bytes. The other
+packed matrices of such a build are stored as bf16 where they hold bf16 values (the attr BF16_WEIGHTS), else
+fp32.
 """
 
 from __future__ import annotations
 
+import functools
+
 OUT_ELEMWISE_FUSABLE = 4  # TVM's OpPatternKind kOutEWiseFusable: a matmul, which elementwise epilogues join
-PACKED = "k3.dense_packed"  # module attr: the names of the weights phase 2 re-laid (compile.py checks them)
+PACKED = "k3.dense_packed"  # module attr: {weight name: the format phase 2 stored it in} (compile.py checks them)
+MXFP8_WEIGHTS = "k3.mxfp8_weights"  # module attr (mxfp8 builds): ["name:axis"], matrices holding MXFP8 along axis
+BF16_WEIGHTS = "k3.bf16_weights"  # module attr (mxfp8 builds): the names of the weights that hold bf16 values
+MX_BLOCK = 32  # values per E8M0 scale (OCP MX), along K
+MX_PARTIAL = "k3_mx_partial"  # the TE stage of a block's partial sums (targets/llvm.py schedules it inside)
+# x is scaled by 2^X_SHIFT in the partial sums (exact), so that x times a code's value (the E4M3 value times
+# 2^-120) stays a normal fp32 down to |x * value| = 2^-70 instead of 2^-6; 2^64 * x overflows only past |x| = 2^64
+X_SHIFT = 64
+E4M3_EMAX = 8  # exponent of E4M3's largest normal value (448 = 1.75 * 2^8)
 
 
 def widen(value):
@@ -35,6 +54,102 @@ def bf16_bits_te(w):
 
     return te.compute(w.shape, lambda *i: (tirx.reinterpret("uint32", w[i]) >> tirx.const(16, "uint32")).astype(
         "uint16"), name="k3_bf16_bits")
+
+
+def mxfp8_scales_te(wp):
+    """TE: the E8M0 scale byte of each 32-value block along K of panels wp [N/P, K, P] (fp32): the OCP floor rule,
+    floor(log2(amax)) - 8 + 127, is the biased exponent of amax less 8 (0 for an all-zero block)."""
+    from tvm import te, tirx
+
+    npan, k_dim, panel = wp.shape
+    r = te.reduce_axis((0, MX_BLOCK), "r")
+    amax = te.compute((npan, k_dim // MX_BLOCK, panel), lambda a, b, c: te.max(
+        tirx.abs(wp[a, b * MX_BLOCK + r, c]), axis=r), name="k3_mx_amax")
+    return te.compute(amax.shape, lambda *i: tirx.max(
+        (tirx.reinterpret("uint32", amax[i]) >> tirx.const(23, "uint32")).astype("int32") - E4M3_EMAX,
+        0).astype("uint8"), name="k3_mx_scale")
+
+
+def mxfp8_codes_te(wp, scales):
+    """TE: the E4M3 code of each value of wp [N/P, K, P] under its block's scale. The value over the scale,
+    v = w * 2^(127 - scale), is exact (a power of two) and, for a matrix that holds MXFP8 values, an E4M3 value:
+    a normal one (|v| >= 2^-6) is its fp32 exponent rebiased (127 -> 7) and its top 3 mantissa bits, a subnormal
+    one is |v| * 2^9 (0..7); the sign is bit 7."""
+    from tvm import te, tirx
+
+    u32 = lambda v: tirx.const(v, "uint32")  # noqa: E731
+
+    def code(a, k, c):
+        s = scales[a, k // MX_BLOCK, c].astype("uint32")
+        v = wp[a, k, c] * tirx.reinterpret("float32", (u32(254) - s) << u32(23))
+        bits = tirx.reinterpret("uint32", v)
+        mag = tirx.abs(v)
+        normal = ((bits >> u32(20)) & u32(0x7FF)) - u32(120 << 3)
+        sub = (mag * tirx.const(512.0, "float32")).astype("uint32")
+        return (((bits >> u32(31)) << u32(7)) | tirx.if_then_else(
+            mag >= tirx.const(2.0 ** -6, "float32"), normal, sub)).astype("uint8")
+
+    return te.compute(wp.shape, code, name="k3_mx_codes")
+
+
+def mxfp8_code_value(code):
+    """An E4M3 code as fp32 times 2^-120: the code sign-extended to 32 bits and shifted left 20 holds its sign in
+    bit 31 (and in the bits the mask clears) and its 7 magnitude bits in bits 26..20 (a subnormal code gives an
+    fp32 subnormal, exact). Three integer operations, one of them the load's own extension."""
+    from tvm import tirx
+
+    return tirx.reinterpret("float32", (code.astype("int8").astype("int32") << tirx.const(20, "int32"))
+                            & tirx.const(0x87F00000 - (1 << 32), "int32"))
+
+
+def mxfp8_factor(scale):
+    """The fp32 bits of 2^(scale - 7 - X_SHIFT): a block's partial sum of (x * 2^X_SHIFT) * `mxfp8_code_value`
+    is 2^(X_SHIFT - 120) times the block's sum of x * value, and the value under the E8M0 scale byte is
+    value * 2^(scale - 127); so this factor turns the partial sum into the block's share of the output. Biased
+    exponent scale + 56: a normal fp32 for every scale byte up to 198."""
+    from tvm import tirx
+
+    return (scale.astype("int32") + tirx.const(127 - 7 - X_SHIFT, "int32")) << tirx.const(23, "int32")
+
+
+def packed_mx_matmul_te(x, codes, scales, panel: int):
+    """TE, in two stages: a block's partial sums p[m, b, n] = sum over the 32 k of block b of x[m, k] * 2^X_SHIFT *
+    code value(codes[n // P, k, n % P]) (m: the rows flattened), then y[..., n] = sum_b p[m, b, n] * factor(scale):
+    the scale applied once per block, not per value (targets/llvm.py computes each p inside y's loop over the
+    blocks, in four vector registers). Exact up to the order of the fp32 sums (tests/unit/test_mxfp8_panels.py)."""
+    from tvm import te, tirx
+
+    k_dim = codes.shape[1]
+    n_dim = codes.shape[0] * panel
+    lead = x.shape[:-1]
+    rows = functools.reduce(lambda a, b: a * b, lead, 1)
+    kr = te.reduce_axis((0, MX_BLOCK), "kr")
+    # one row index (the leading dims flattened), so that the stage keeps affine bindings once computed inside the
+    # matmul's loop over fused rows (a binding divided by a symbolic extent is not one: TVM refuses the schedule)
+    shift = tirx.const(2.0 ** X_SHIFT, "float32")
+    partial = te.compute((rows, k_dim // MX_BLOCK, n_dim), lambda m, b, n: te.sum(
+        x[(*_unflatten(m, lead), b * MX_BLOCK + kr)] * shift * mxfp8_code_value(
+            codes[n // panel, b * MX_BLOCK + kr, n % panel]),
+        axis=kr), name=MX_PARTIAL)
+    kb = te.reduce_axis((0, k_dim // MX_BLOCK), "kb")
+    return te.compute((*lead, n_dim), lambda *i: te.sum(
+        partial[_flatten(i[:-1], lead), kb, i[-1]] * tirx.reinterpret("float32", mxfp8_factor(
+            scales[i[-1] // panel, kb, i[-1] % panel])), axis=kb), name="k3_packed_matmul")
+
+
+def _flatten(index, shape):
+    flat = 0
+    for i, d in zip(index, shape):
+        flat = flat * d + i
+    return flat
+
+
+def _unflatten(flat, shape):
+    out = []
+    for d in reversed(shape[1:]):
+        out.append(flat % d)
+        flat = flat // d
+    return [flat, *reversed(out)]
 
 
 def packed_matmul_te(x, wp, panel: int):
@@ -57,7 +172,7 @@ def pack_dense_weights(target):
     from k3compile.modes import DenseFormat
 
     panel = target.dense_panel
-    bf16 = target.dense_format == DenseFormat.BF16
+    fmt = DenseFormat(target.dense_format)
     matmul = tvm.ir.Op.get("relax.matmul")
     relayout = {tvm.ir.Op.get(n) for n in ("relax.permute_dims", "relax.reshape")}
 
@@ -66,7 +181,10 @@ def pack_dense_weights(target):
         def __init__(self, mod, weights):
             super().__init__(mod)
             self.weights = weights
-            self.packed: list[str] = []
+            self.packed: dict[str, str] = {}
+            attrs = mod.attrs if mod.attrs is not None else {}
+            self.mx = {str(e) for e in attrs[MXFP8_WEIGHTS]} if MXFP8_WEIGHTS in attrs else set()
+            self.bf16 = {str(e) for e in attrs[BF16_WEIGHTS]} if BF16_WEIGHTS in attrs else set()
 
         def _weight(self, expr):
             """The weight parameter `expr` is (or a transpose / reshape of), else None."""
@@ -76,6 +194,27 @@ def pack_dense_weights(target):
             if isinstance(bound, relax.Call) and any(bound.op.same_as(op) for op in relayout):
                 return self._weight(bound.args[0])
             return None
+
+        def _k_axis(self, expr):
+            """The axis of the weight parameter that is the matmul's K when `expr` is that 2-D parameter (0) or
+            its transpose (1); None for any other relayout."""
+            if isinstance(expr, relax.Var) and expr in self.weights:
+                return 0
+            bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+            if (isinstance(bound, relax.Call) and bound.op.same_as(tvm.ir.Op.get("relax.permute_dims"))
+                    and isinstance(bound.args[0], relax.Var) and bound.args[0] in self.weights
+                    and len(bound.args[0].ty.shape) == 2
+                    and (bound.attrs.axes is None or [int(a) for a in bound.attrs.axes] == [1, 0])):
+                return 1
+            return None
+
+        def _format(self, w, param) -> str:
+            """How this build stores the matrix `w` (the matmul's [K, N] operand, made from `param`)."""
+            if fmt != DenseFormat.MXFP8:
+                return fmt.value
+            if int(w.ty.shape[0]) % MX_BLOCK == 0 and f"{param.name}:{self._k_axis(w)}" in self.mx:
+                return DenseFormat.MXFP8.value
+            return DenseFormat.BF16.value if param.name in self.bf16 else DenseFormat.FP32.value
 
         def visit_call_(self, call):
             call = self.visit_expr_post_order(call)
@@ -87,11 +226,17 @@ def pack_dense_weights(target):
                     or int(shape[1]) % panel or x.ty.dtype != "float32" or w.ty.dtype != "float32"
                     or self._weight(w) is None):
                 return call
-            self.packed.append(self._weight(w).name)
+            param = self._weight(w)
+            stored = self.packed[param.name] = self._format(w, param)
             k_dim, n_dim = int(shape[0]), int(shape[1])
             wp = self.builder_.emit(relax.op.permute_dims(
                 relax.op.reshape(w, [k_dim, n_dim // panel, panel]), [1, 0, 2]))
-            if bf16:
+            if stored == DenseFormat.MXFP8:
+                scales = self.builder_.emit_te(mxfp8_scales_te, wp, primfunc_name_hint="k3_mx_scales")
+                codes = self.builder_.emit_te(mxfp8_codes_te, wp, scales, primfunc_name_hint="k3_mx_codes")
+                return self.builder_.call_te(packed_mx_matmul_te, x, codes, scales, panel,
+                                             primfunc_name_hint="k3_packed_matmul")
+            if stored == DenseFormat.BF16:
                 wp = self.builder_.emit_te(bf16_bits_te, wp, primfunc_name_hint="k3_bf16_bits")
             return self.builder_.call_te(packed_matmul_te, x, wp, panel, primfunc_name_hint="k3_packed_matmul")
 
@@ -115,6 +260,6 @@ def pack_dense_weights(target):
             # once the calls are built, so that equal kernels stay one function.
             if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint.startswith("k3_packed_matmul"):
                 mod[gv] = func.with_attr("op_pattern", OUT_ELEMWISE_FUSABLE)
-        return mod.with_attr(PACKED, sorted(set(m.packed)))
+        return mod.with_attr(PACKED, m.packed)
 
     return run

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
 PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
+MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a target imports no pass)
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
 
 
@@ -130,6 +131,24 @@ def _schedule_matmul(sch, block, layout) -> None:
     sch.vectorize(sch.get_loops(init)[-1])
 
 
+def _schedule_mx_partial(sch, block, partial) -> None:
+    """The packed MXFP8 matmul's first stage (passes/pack_dense_weights.py: packed_mx_matmul_te) computed inside
+    the matmul's loop over the scale blocks: for the row and the 64-column strip at hand, the 32 values of the
+    block accumulated into a 64-float local buffer (4 vector registers), which the matmul then scales once."""
+    blocks = [lp for lp in sch.get_loops(block) if sch.get(lp).loop_var.name.startswith("kb")]
+    sch.compute_at(partial, blocks[-1])  # the innermost loop over the scale blocks
+    sch.set_scope(partial, 0, "local")
+    j, kr = sch.get_loops(partial)[-2:]
+    jo, jv = sch.split(j, [None, VECTOR])
+    ko, ki = sch.split(kr, [None, 4])
+    sch.reorder(ko, ki, jo, jv)
+    sch.unroll(ki)
+    sch.unroll(jo)
+    sch.vectorize(jv)
+    init = sch.decompose_reduction(partial, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+
+
 def _schedule_loops(sch, block) -> None:
     import tvm
 
@@ -175,13 +194,18 @@ def schedule_func(func):
     except Exception:  # noqa: BLE001 - a hand-written kernel without a root block: not ours to schedule
         return func
     _inline_intermediates(sch, root)
-    for name in [sch.get(b).name_hint for b in sch.get_child_blocks(root)]:
+    names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    for name in names:
+        if name == MX_PARTIAL:
+            continue  # scheduled inside the matmul it feeds (below)
         block = sch.get_sblock(name)
         layout = _matmul_layout(sch, block) if _is_reduction(sch, block) else None
         state = sch.mod
         try:
             if layout is not None:
                 _schedule_matmul(sch, block, layout)
+                if MX_PARTIAL in names and name == "k3_packed_matmul":
+                    _schedule_mx_partial(sch, sch.get_sblock(f"{name}_update"), sch.get_sblock(MX_PARTIAL))
             else:
                 _schedule_loops(sch, block)
         except Exception:  # noqa: BLE001 - a rule that does not apply: this block keeps the schedule it had

@@ -89,7 +89,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.command("bench")
 @click.argument("source", default="k3-small")
 @click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
-              help="Comma-separated: eager, onnx, tvm, opencl (the OpenCL executor: SOURCE compiled for opencl), "
+              help="Comma-separated: eager, onnx, tvm, tvm-mxfp8 (TVM with the dense matrices exported as MXFP8: "
+                   "--dense-weights mxfp8), opencl (the OpenCL executor: SOURCE compiled for opencl), "
                    "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow), webgpu "
                    "(the WebGPU executor: SOURCE compiled for webgpu).")
 @click.option("--threads", type=IntRange(min=1), default=None,
@@ -221,6 +222,10 @@ def table(result: dict) -> str:
         lines.append(f"| decode roofline ({roof['bandwidth_gb_s']:.1f} GB/s, "
                      f"{roof['bytes_per_decode_token'] / 2**20:.0f} MiB/token) | | | "
                      f"{roof['ceiling_tokens_per_s']:.1f} tok/s" + (f", TVM at {frac:.0%}" if frac else "") + " |")
+        if roof.get("tvm_mxfp8_fraction"):
+            lines.append(f"| decode roofline, MXFP8 dense ({roof['mxfp8_bytes_per_decode_token'] / 2**20:.0f} "
+                         f"MiB/token) | | | {roof['mxfp8_ceiling_tokens_per_s']:.1f} tok/s, TVM at "
+                         f"{roof['tvm_mxfp8_fraction']:.0%} |")
     prof = result.get("opencl_profile")
     if prof:
         lines.append(f"| OpenCL decode b1, kernels' device time / step ({prof['device']}) | "

@@ -15,14 +15,24 @@ from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
 from k3compile.export import DEFAULT_TOL
 
-__all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dumps", "parse_ids", "progress",
-           "status", "user_errors"]
+__all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dense_summary", "dumps", "parse_ids",
+           "progress", "status", "user_errors"]
 
 EXIT_SIGTERM = 128 + 15
 # docs/architecture.md, "Dense weights"
 DENSE_HELP = ("How the compiled artifact stores its dense matrices: fp32; bf16 (half the bytes, widened in the matmul "
-              "kernels; only matrices that hold bf16 values, as K3's checkpoints and the presets do); auto: bf16 "
-              "where that is exact, else fp32. GPU targets keep fp32.")
+              "kernels; only matrices that hold bf16 values, as K3's checkpoints and the presets do); mxfp8 (a "
+              "quarter: E4M3 values with a scale per 32, decoded in the kernels; the export quantizes the model's "
+              "dense matrices, and eager and verify use the same values); auto: mxfp8 for an export made so, else "
+              "bf16 where that is exact, else fp32. GPU targets keep fp32.")
+
+
+def dense_summary(manifest: dict) -> str:
+    """The manifest's dense matrices for a one-line report: "bf16 matrices", or "matrices: 40 mxfp8, 3 bf16"."""
+    counts = manifest.get("dense_matrices") or {}
+    if len(counts) <= 1:
+        return f"{manifest.get('dense_weights', 'fp32')} matrices"
+    return "matrices: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 _NUMBER = re.compile(r"\s*[-+]?[0-9]+\s*")  # what an integer option takes: int() would also take "1_0" and "５"

@@ -49,7 +49,7 @@ def command(folder, out, target, dense, overwrite, dump_ir, tune, mesh, dispatch
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
-                   f"({manifest['dense_weights']} matrices), compiled in {manifest['compile_s']:.1f} s")
+                   f"({common.dense_summary(manifest)}), compiled in {manifest['compile_s']:.1f} s")
         for row in manifest.get("tuning", {}).get("functions", []):
             tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"
             click.echo(f"  decode {row['function']} (x{row['calls']}): hand {row['hand_us']:.1f} us, tuned {tuned}: "

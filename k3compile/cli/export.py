@@ -42,7 +42,8 @@ from k3compile.presets import DEFAULT_PRESET
               help="Also compile with TVM for this target (llvm: this CPU): OUT is then the compiled artifact "
                    "(`k3compile compile`'s OUT, holding the ONNX too).")
 @click.option("--dense-weights", "dense", type=click.Choice(DENSE_CHOICES), default="auto", show_default=True,
-              help="With --target: " + DENSE_HELP)
+              help=DENSE_HELP + " mxfp8 also applies to an ONNX export (no --target): it holds the MXFP8 values, "
+                   "which a later `compile` stores as such.")
 @click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
               help="Shard over this device mesh: OUT holds one library and weight file per rank and a manifest with "
                    "the plan and each rank's step schedule; run it with `k3compile run OUT` (target llvm).")
@@ -71,8 +72,12 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
         raise click.UsageError("--seed is the old name of --weight-seed; give one of them")
     seed = weight_seed if weight_seed is not None else (seed_alias or 0)
     record = sources.record(source, seed, weights)
-    if dense != "auto" and (target is None or mesh is not None):
-        raise click.UsageError("--dense-weights applies to a compiled artifact: give --target (not with --mesh)")
+    if mesh is not None and dense != "auto":
+        raise click.UsageError("--dense-weights does not apply to --mesh (its ranks store bf16 matrices where "
+                               "they hold bf16 values, else fp32)")
+    if target is None and dense not in ("auto", "mxfp8"):
+        raise click.UsageError(f"--dense-weights {dense} applies to a compiled artifact: give --target")
+    held = "mxfp8" if dense == "mxfp8" else "source"  # what the export's matrices hold (quant/dense.py)
     if mesh is not None:
         return _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite,
                                threads, as_json, quiet, dispatch)
@@ -90,7 +95,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
                                            tolerance, threads, as_json, quiet, step, dense=dense)
             doc = export_checked(model, out, opset=opset, activations=activations, overwrite=overwrite,
                                  verify_parity=not no_verify, tolerance=tolerance, threads=threads, source=record,
-                                 progress=step)
+                                 progress=step, dense_weights=held)
     if as_json:
         click.echo(dumps(doc, indent=2))
         return
@@ -117,7 +122,8 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
     scratch = Path(tempfile.mkdtemp(prefix="k3compile-export-"))
     try:
         export_checked(model, scratch / "export", opset=opset, activations=activations, verify_parity=not no_verify,
-                       tolerance=tolerance, threads=threads, source=record, progress=step)
+                       tolerance=tolerance, threads=threads, source=record, progress=step,
+                       dense_weights="mxfp8" if dense == "mxfp8" else "source")
         manifest = compile_export(scratch / "export", out, target=target, overwrite=overwrite, progress=step,
                                   dense=dense)
     finally:
@@ -126,7 +132,7 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
-                   f"({manifest['dense_weights']} matrices), compiled in {manifest['compile_s']:.1f} s")
+                   f"({common.dense_summary(manifest)}), compiled in {manifest['compile_s']:.1f} s")
 
 
 def _export_sharded(source, out, mesh, target, seed, weights, activations, opset, overwrite, threads, as_json, quiet,
