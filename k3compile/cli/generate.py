@@ -26,6 +26,12 @@ from k3compile.presets import DEFAULT_PRESET
 @click.argument("source", default=DEFAULT_PRESET)
 @click.option("--prompt-ids", "prompt_ids", multiple=True, default=("1,2,3",), show_default=True,
               help="Comma-separated token ids; repeat the option for a left-padded batch.")
+@click.option("--prompt", "texts", multiple=True,
+              help="A text prompt, encoded by SOURCE's tokenizer (repeat for a batch); the output is decoded too.")
+@click.option("--chat", is_flag=True, help="Each --prompt is a user message, rendered by the chat template.")
+@click.option("--messages", "messages_file", type=click.Path(dir_okay=False), default=None,
+              help="A JSON file holding a conversation ([{\"role\": ..., \"content\": ...}]), rendered by the chat "
+                   "template into one prompt.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=IntRange(min=0))
 @click.option("--backend", type=click.Choice(KINDS), default="auto", show_default=True,
               help="auto: an artifact on its own target (llvm in TVM's VM, opencl on its OpenCL device), an export "
@@ -48,14 +54,27 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
-def command(ctx, source, prompt_ids, max_new_tokens, backend, device, temperature, top_p, seed, weight_seed, experts,
-            threads, as_json, quiet):
-    """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights)."""
+def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens, backend, device, temperature, top_p,
+            seed, weight_seed, experts, threads, as_json, quiet):
+    """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights): from token ids, or from
+    text (--prompt, --chat, --messages) through SOURCE's tokenizer."""
     from k3compile.generate import generate as run
     from k3compile.source import ARTIFACT, EXPORT, kind_of
     from k3compile.threads import default_threads, use_threads
 
-    prompts = [parse_ids(p) for p in prompt_ids]
+    text_mode = bool(texts) or messages_file is not None
+    if text_mode and ctx.get_parameter_source("prompt_ids") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("give --prompt-ids or --prompt / --messages, not both")
+    if chat and not texts:
+        raise click.UsageError("--chat renders the --prompt texts as user messages: give --prompt")
+    if messages_file is not None and texts:
+        raise click.UsageError("--messages is the whole conversation: not with --prompt")
+    tokenizer = None
+    if text_mode:
+        with user_errors():
+            tokenizer, prompts = _encode_prompts(source, texts, chat, messages_file)
+    else:
+        prompts = [parse_ids(p) for p in prompt_ids]
     built = kind_of(source) in (EXPORT, ARTIFACT)
     if backend != "eager" and built:
         for name in ("experts", "weight_seed"):
@@ -75,6 +94,7 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, device, temperatur
                          seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
     doc = {
         "source": source, "backend": engine.name, "prompts": prompts, "tokens": result.tokens,
+        **({"texts": [tokenizer.decode(t) for t in result.tokens]} if tokenizer is not None else {}),
         **({"device": engine.describe()} if hasattr(engine, "describe") else {}),
         "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps else None,
@@ -82,9 +102,40 @@ def command(ctx, source, prompt_ids, max_new_tokens, backend, device, temperatur
     if as_json:
         click.echo(dumps(doc))
         return
-    for p, toks in zip(prompts, result.tokens):
-        click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
+    for i, (p, toks) in enumerate(zip(prompts, result.tokens)):
+        if tokenizer is not None:
+            click.echo(f"{doc['texts'][i]}")
+            click.echo(f"  [{len(p)} prompt tokens -> {','.join(map(str, toks))}]", err=True)
+        else:
+            click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
     if not quiet:
         rate = f", decode {doc['decode_tokens_per_s']} tok/s" if result.decode_steps else ""
         where = f" on {doc['device']}" if "device" in doc else ""
         click.echo(f"[{engine.name}{where}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)
+
+
+def _encode_prompts(source, texts, chat: bool, messages_file):
+    """(tokenizer, prompts as ids) for the text options: SOURCE's tokenizer (k3compile/tokenizer.py)."""
+    import json
+    from pathlib import Path
+
+    from k3compile.presets import load_config
+    from k3compile.tokenizer import TokenizerError, tokenizer_for
+
+    tok = tokenizer_for(source, load_config(source))
+    if tok is None:
+        raise TokenizerError(f"{source} ships no tokenizer (tokenizer.json, or tiktoken.model with "
+                             "tokenizer_config.json): give --prompt-ids")
+    if messages_file is not None:
+        try:
+            messages = json.loads(Path(messages_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TokenizerError(f"{messages_file}: not a readable JSON file ({e})") from None
+        prompts = [tok.encode_chat(messages)]
+    elif chat:
+        prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    else:
+        prompts = [tok.encode(t) for t in texts]
+    if any(not p for p in prompts):
+        raise TokenizerError("a prompt encodes to no tokens")
+    return tok, prompts
