@@ -85,7 +85,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
                 shutil.copyfile(Path(work) / name, w.path / name)
             tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
         save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
-        for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON):
+        for name in (MODEL_FILE, DATA_FILE, CONFIG_FILE, EXPORT_JSON, *doc.get("tokenizer", {})):
             if (export_dir / name).is_file():
                 shutil.copyfile(export_dir / name, w.path / name)
         manifest = {

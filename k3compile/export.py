@@ -286,6 +286,7 @@ def export(
         step("checking the ONNX model")
         onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
         cfg.save(tmp / CONFIG_FILE)
+        tokenizer = _carry_tokenizer(source, cfg, tmp)
         gi = GraphInterface.of(cfg)
         doc = {
             "k3compile": __version__,
@@ -295,6 +296,7 @@ def export(
             "ir_version": m.ir_version,
             "activations": activations,
             "dense_weights": dense_weights,
+            **({"tokenizer": tokenizer} if tokenizer else {}),
             "expert_format": cfg.expert_format,
             "config_sha256": sha256_file(tmp / CONFIG_FILE),
             "inputs": {i.name: _shape(i) for i in m.graph.input},
@@ -321,6 +323,18 @@ def export(
         w.commit()
     log.info("exported %s in %.1fs", out, time.perf_counter() - t0)
     return doc
+
+
+def _carry_tokenizer(source: dict | None, cfg: K3Config, folder: Path) -> dict:
+    """The source's tokenizer files (k3compile/tokenizer.py) written into the export: {file name: sha256} for the
+    record, {} when the source ships none (or no source is recorded)."""
+    from k3compile.tokenizer import tokenizer_for
+
+    origin = (source or {}).get("source")
+    tok = tokenizer_for(origin, cfg) if origin else None
+    if tok is None:
+        return {}
+    return {name: sha256_file(folder / name) for name in tok.save(folder)}
 
 
 def _versions() -> dict:

@@ -26,6 +26,7 @@ from torch import Tensor
 from k3compile.config import EXPERT_CHOICES, K3Config, read_config
 from k3compile.errors import UserError
 from k3compile.modes import ACT_QUANT_FLAGS, DENSE_QUANT
+from k3compile.tokenizer import TOKENIZER_FILES
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -233,6 +234,10 @@ def read_record(folder: str | Path) -> dict:
     if not _choice(doc.get("dense_weights", "source"), DENSE_QUANT):
         raise _record_error(folder, f"dense_weights: {doc.get('dense_weights')!r} is not one of "
                                     f"{', '.join(DENSE_QUANT)}")
+    tok = doc.get("tokenizer", {})
+    if not (isinstance(tok, dict) and all(k in TOKENIZER_FILES and isinstance(v, str)
+                                          and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in tok.items())):
+        raise _record_error(folder, "tokenizer: expected {tokenizer file name: sha256}")
     sha = doc.get("config_sha256")
     if sha is not None and not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
         raise _record_error(folder, "config_sha256: not a sha256 digest")

@@ -358,8 +358,9 @@ def _raw_char(c: str) -> str:
 def tokenizer_for(source, cfg) -> Tokenizer | None:
     """The tokenizer of a SOURCE (docs/architecture.md, "Sources"): a preset or a bare config.json gets
     `preset_tokenizer`; a checkpoint folder its own files (None when it ships none); an export or artifact folder its
-    own files, else those of the source its record names (exports do not carry a tokenizer yet)."""
-    from k3compile.interface import read_record
+    own files (the copy the export carried, checked against its record's sha256), else those of the source its record
+    names (an export made before exports carried one)."""
+    from k3compile.interface import read_record, sha256_file
     from k3compile.source import ARTIFACT, CHECKPOINT, EXPORT, PRESET, kind_of
 
     kind = kind_of(source)
@@ -367,8 +368,14 @@ def tokenizer_for(source, cfg) -> Tokenizer | None:
         return preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     path = Path(source)
     folder = path if path.is_dir() else path.parent
+    if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
+        carried = read_record(folder).get("tokenizer", {})
+        for name, digest in carried.items():
+            if not (folder / name).is_file() or sha256_file(folder / name) != digest:
+                raise TokenizerError(f"{folder / name}: missing or changed since the export (its sha256 differs "
+                                     "from export.json's); export again")
     tok = load_tokenizer(folder, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    if tok is None and kind in (EXPORT, ARTIFACT):
+    if tok is None and kind in (EXPORT, ARTIFACT):  # an export made before exports carried one
         origin = read_record(folder).get("source", {}).get("source")
         return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
             else None

@@ -129,3 +129,32 @@ def test_with_dense_weights_quantizes_a_copy():
     assert with_dense_weights(model, "source") is model
     with pytest.raises(ValueError, match="dense weights"):
         with_dense_weights(model, "fp16")
+
+
+def test_the_artifact_carries_its_tokenizer(mx_artifact, tmp_path):
+    """The export writes the source's tokenizer files (hashed in export.json), the compile copies them (hashed in the
+    manifest), and text runs through the copy: the preset's tokenizer, byte for byte; a changed copy, or a record
+    naming another file, is one error line (issue #20 item 1)."""
+    import shutil
+
+    from k3compile.presets import load_config
+    from k3compile.tokenizer import tokenizer_for
+
+    out, _ = mx_artifact
+    record = json.loads((out / "export.json").read_text())["tokenizer"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    preset = tokenizer_for("k3-tiny", load_config("k3-tiny"))
+    assert set(record) == set(preset.files) and all(manifest["files"][n] == d for n, d in record.items())
+    assert all((out / n).read_bytes() == data for n, data in preset.files.items())
+    r = run("generate", out, "--prompt", "hello", "--max-new-tokens", "3", "--json", "--quiet")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["prompts"] == [preset.encode("hello")]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    with open(copy / "tokenizer.json", "a") as f:
+        f.write(" ")
+    one_line_error(run("generate", copy, "--backend", "eager", "--prompt", "hello"), "changed since the export")
+    doc = json.loads((copy / "export.json").read_text())
+    doc["tokenizer"] = {"../evil.json": "0" * 64}
+    (copy / "export.json").write_text(json.dumps(doc))
+    one_line_error(run("generate", copy, "--backend", "eager", "--prompt", "hello"), "tokenizer")
