@@ -234,13 +234,19 @@ def save_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 4 << 30,
     overwrite: bool = False,
+    tokenizer="auto",
 ) -> Path:
     """Write config.json + safetensors (sharded with an index past max_shard_bytes). Layout defaults to k3 for
     configs with K3 features, else kimi_linear.
 
     The folder must be empty or absent. With `overwrite`, the files an earlier save wrote there (config.json, the
     single file or the index and its shards) are removed first, so that no stale index or shard can be loaded in
-    place of the new weights; any other file (a tokenizer, a README) is left alone."""
+    place of the new weights; any other file (a tokenizer, a README) is left alone.
+
+    `tokenizer` (a k3compile.tokenizer.Tokenizer, "auto", or None): its files are written beside the weights where
+    the folder has no tokenizer file yet (one already there is the user's and is kept); "auto" writes the tokenizer
+    presets get (tokenizer.preset_tokenizer for the config's vocabulary and bos / eos ids; none below
+    tokenizer.MIN_VOCAB ids), None none."""
     cfg = model.config
     layout = layout or ("k3" if cfg.is_k3 else "kimi_linear")
     if layout not in LAYOUTS:
@@ -260,6 +266,7 @@ def save_checkpoint(
         for k, v in tensors.items()
     }
     cfg.save(folder / "config.json")
+    _save_tokenizer(folder, cfg, tokenizer)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in tensors.items():
@@ -280,6 +287,18 @@ def save_checkpoint(
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return folder
+
+
+def _save_tokenizer(folder: Path, cfg, tokenizer) -> None:
+    from k3compile.tokenizer import MIN_VOCAB, TOKENIZER_FILES, preset_tokenizer
+
+    if tokenizer is None or any((folder / n).exists() for n in TOKENIZER_FILES):
+        return
+    if tokenizer == "auto":
+        if cfg.vocab_size < MIN_VOCAB:
+            return  # a toy vocabulary: no tokenizer
+        tokenizer = preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    tokenizer.save(folder)
 
 
 def _saved_files(folder: Path) -> list[Path]:

@@ -66,6 +66,7 @@ _CORPUS = (
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2026. Questions and answers, users and assistants, systems.\n"
 )
 MAX_PRESET_MERGES = 2048
+MIN_VOCAB = 64  # below this no byte-level tokenizer is built (a toy config): text commands say it has none
 
 
 class TokenizerError(UserError):
@@ -277,7 +278,7 @@ def preset_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None) ->
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-    if vocab_size < 64:
+    if vocab_size < MIN_VOCAB:
         raise TokenizerError(f"vocab_size {vocab_size}: too small for a byte-level tokenizer")
     specials: dict[str, int] = {}
     for text, tid in ((BOS, bos_id), (EOS, eos_id)):
@@ -361,11 +362,13 @@ def tokenizer_for(source, cfg) -> Tokenizer | None:
     own files (the copy the export carried, checked against its record's sha256), else those of the source its record
     names (an export made before exports carried one)."""
     from k3compile.interface import read_record, sha256_file
-    from k3compile.source import ARTIFACT, CHECKPOINT, EXPORT, PRESET, kind_of
+    from k3compile.source import ARTIFACT, CONFIG, EXPORT, PRESET, kind_of
 
     kind = kind_of(source)
+    built = preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) \
+        if kind in (PRESET, CONFIG) and cfg.vocab_size >= MIN_VOCAB else None
     if kind == PRESET:
-        return preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+        return built
     path = Path(source)
     folder = path if path.is_dir() else path.parent
     if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
@@ -379,6 +382,4 @@ def tokenizer_for(source, cfg) -> Tokenizer | None:
         origin = read_record(folder).get("source", {}).get("source")
         return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
             else None
-    if tok is None and kind != CHECKPOINT and not path.is_dir():  # a bare config.json: random weights, any tokenizer
-        return preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    return tok
+    return tok if tok is not None or kind != CONFIG else built  # a bare config.json: random weights, any tokenizer

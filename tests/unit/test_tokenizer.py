@@ -148,3 +148,21 @@ def test_generate_text_refusals(tmp_path):
     one_line_error(run("generate", "k3-tiny", "--messages", tmp_path / "broken.json"), "not a readable JSON")
     assert run("generate", "k3-tiny", "--prompt", "x", "--prompt-ids", "1").exit_code == 2
     assert run("generate", "k3-tiny", "--chat").exit_code == 2
+
+
+def test_a_saved_checkpoint_ships_the_tokenizer_and_keeps_a_users(tmp_path):
+    from k3compile.checkpoint import save_checkpoint
+    from k3compile.source import load_model
+
+    model = load_model("k3-tiny")
+    save_checkpoint(model, tmp_path / "ckpt")
+    cfg = load_config("k3-tiny")
+    tok = tokenizer_for(str(tmp_path / "ckpt"), cfg)
+    assert tok.files == tokenizer_for("k3-tiny", cfg).files
+    (tmp_path / "mine").mkdir()
+    _hf_tokenizer_json(tmp_path / "mine")  # a user's tokenizer already in the folder: kept as it is
+    before = {p.name: p.read_bytes() for p in (tmp_path / "mine").iterdir()}
+    save_checkpoint(model, tmp_path / "mine", overwrite=True)
+    assert all((tmp_path / "mine" / n).read_bytes() == b for n, b in before.items())
+    save_checkpoint(model, tmp_path / "none", tokenizer=None)
+    assert tokenizer_for(str(tmp_path / "none"), cfg) is None
