@@ -3,10 +3,9 @@
 convert_hf_to_gguf.py, for `k3compile bench --llama-bench` (README, "Benchmark").
 
 The converter reads k3compile's K3 layout as it is (the MXFP4 experts are repacked losslessly); only its vocabulary
-step is replaced (it was written before save_checkpoint wrote the presets' tokenizer, and the benchmark needs no
-text): Kimi-Linear's `set_vocab` (K3 borrows it) is replaced by a byte-level "gpt2" vocabulary of `vocab_size` tokens (bytes 0..255 in GPT-2's byte-to-unicode
-mapping, then unused [PADi] tokens). No tensor and no other metadata is touched. A checkpoint that ships a HF
-`tokenizer.json` converts with the converter alone.
+step is replaced (written before save_checkpoint wrote the presets' tokenizer; the benchmark reads no text):
+Kimi-Linear's `set_vocab` (K3 borrows it) becomes a byte-level "gpt2" vocabulary of `vocab_size` tokens (bytes
+0..255 in GPT-2's byte-to-unicode mapping, then unused [PADi] tokens). No tensor and no other metadata is touched.
 
 Run it with the converter venv of tools/llamacpp/build.sh: `LLAMA_SRC=<llama.cpp source> venv/bin/python
 tools/llamacpp/convert.py CKPT --outtype bf16 --outfile k3-small.gguf`.
