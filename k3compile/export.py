@@ -328,7 +328,7 @@ def export(
 def _carry_tokenizer(source: dict | None, cfg: K3Config, folder: Path) -> dict:
     """The source's tokenizer files (k3compile/tokenizer.py) written into the export: {file name: sha256} for the
     record, {} when the source ships none (or no source is recorded)."""
-    from k3compile.tokenizer import tokenizer_for
+    from k3compile.source import tokenizer_for
 
     origin = (source or {}).get("source")
     tok = tokenizer_for(origin, cfg) if origin else None

@@ -26,12 +26,17 @@ from torch import Tensor
 from k3compile.config import EXPERT_CHOICES, K3Config, read_config
 from k3compile.errors import UserError
 from k3compile.modes import ACT_QUANT_FLAGS, DENSE_QUANT
-from k3compile.tokenizer import TOKENIZER_FILES
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "config.json"
 EXPORT_JSON = "export.json"
+# the tokenizer files an export carries (k3compile/tokenizer.py reads them)
+TOKENIZER_JSON = "tokenizer.json"
+TIKTOKEN_MODEL = "tiktoken.model"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_JSON, TIKTOKEN_MODEL, TOKENIZER_CONFIG, CHAT_TEMPLATE)
 
 KDA_STATE_NAMES = ("conv_state", "recurrent_state")
 MLA_STATE_NAMES = ("latent", "k_rope")

@@ -119,3 +119,32 @@ def load_model(
     if target == cfg.expert_format:
         return model
     return assemble(target_cfg, convert_experts(model.state_dict(), target, torch.float32))
+
+
+def tokenizer_for(source, cfg):
+    """The tokenizer (k3compile.tokenizer.Tokenizer) of a SOURCE (docs/architecture.md, "Tokenizers"): a preset or
+    a bare config.json gets `preset_tokenizer`; a checkpoint folder its own files (None when it ships none); an
+    export or artifact folder its own files (the copy the export carried, checked against its record's sha256),
+    else those of the source its record names (an export made before exports carried one)."""
+    from k3compile.interface import read_record, sha256_file
+    from k3compile.tokenizer import MIN_VOCAB, TokenizerError, load_tokenizer, preset_tokenizer
+
+    kind = kind_of(source)
+    built = preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) \
+        if kind in (PRESET, CONFIG) and cfg.vocab_size >= MIN_VOCAB else None
+    if kind == PRESET:
+        return built
+    path = Path(source)
+    folder = path if path.is_dir() else path.parent
+    if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
+        carried = read_record(folder).get("tokenizer", {})
+        for name, digest in carried.items():
+            if not (folder / name).is_file() or sha256_file(folder / name) != digest:
+                raise TokenizerError(f"{folder / name}: missing or changed since the export (its sha256 differs "
+                                     "from export.json's); export again")
+    tok = load_tokenizer(folder, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    if tok is None and kind in (EXPORT, ARTIFACT):  # an export made before exports carried one
+        origin = read_record(folder).get("source", {}).get("source")
+        return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
+            else None
+    return tok if tok is not None or kind != CONFIG else built  # a bare config.json: random weights, any tokenizer

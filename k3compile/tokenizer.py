@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3compile.errors import UserError
-
-TOKENIZER_JSON = "tokenizer.json"
-TIKTOKEN_MODEL = "tiktoken.model"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-CHAT_TEMPLATE = "chat_template.jinja"
-TOKENIZER_FILES = (TOKENIZER_JSON, TIKTOKEN_MODEL, TOKENIZER_CONFIG, CHAT_TEMPLATE)
+from k3compile.interface import (  # the file names (interface.py owns every file name of a folder)
+    CHAT_TEMPLATE,
+    TIKTOKEN_MODEL,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILES,
+    TOKENIZER_JSON,
+)
 
 # Kimi's pre-tokenization (K2's tokenization_kimi.py): Han runs, words with their leading punctuation and English
 # contractions, numbers in groups of up to three, punctuation runs, newlines, other whitespace.
@@ -354,32 +355,3 @@ def _raw_char(c: str) -> str:
         if _byte_char(b) == c:
             return chr(b)
     raise ValueError(c)
-
-
-def tokenizer_for(source, cfg) -> Tokenizer | None:
-    """The tokenizer of a SOURCE (docs/architecture.md, "Sources"): a preset or a bare config.json gets
-    `preset_tokenizer`; a checkpoint folder its own files (None when it ships none); an export or artifact folder its
-    own files (the copy the export carried, checked against its record's sha256), else those of the source its record
-    names (an export made before exports carried one)."""
-    from k3compile.interface import read_record, sha256_file
-    from k3compile.source import ARTIFACT, CONFIG, EXPORT, PRESET, kind_of
-
-    kind = kind_of(source)
-    built = preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) \
-        if kind in (PRESET, CONFIG) and cfg.vocab_size >= MIN_VOCAB else None
-    if kind == PRESET:
-        return built
-    path = Path(source)
-    folder = path if path.is_dir() else path.parent
-    if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
-        carried = read_record(folder).get("tokenizer", {})
-        for name, digest in carried.items():
-            if not (folder / name).is_file() or sha256_file(folder / name) != digest:
-                raise TokenizerError(f"{folder / name}: missing or changed since the export (its sha256 differs "
-                                     "from export.json's); export again")
-    tok = load_tokenizer(folder, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    if tok is None and kind in (EXPORT, ARTIFACT):  # an export made before exports carried one
-        origin = read_record(folder).get("source", {}).get("source")
-        return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
-            else None
-    return tok if tok is not None or kind != CONFIG else built  # a bare config.json: random weights, any tokenizer

@@ -120,7 +120,8 @@ def _encode_prompts(source, texts, chat: bool, messages_file):
     from pathlib import Path
 
     from k3compile.presets import load_config
-    from k3compile.tokenizer import TokenizerError, tokenizer_for
+    from k3compile.source import tokenizer_for
+    from k3compile.tokenizer import TokenizerError
 
     tok = tokenizer_for(source, load_config(source))
     if tok is None:

@@ -138,7 +138,7 @@ def test_the_artifact_carries_its_tokenizer(mx_artifact, tmp_path):
     import shutil
 
     from k3compile.presets import load_config
-    from k3compile.tokenizer import tokenizer_for
+    from k3compile.source import tokenizer_for
 
     out, _ = mx_artifact
     record = json.loads((out / "export.json").read_text())["tokenizer"]

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from k3compile.presets import PRESETS, load_config
+from k3compile.source import tokenizer_for
 from k3compile.tokenizer import (
     EOS,
     ROLE_MARKERS,
@@ -20,7 +21,6 @@ from k3compile.tokenizer import (
     load_tokenizer,
     preset_tokenizer,
     render_template,
-    tokenizer_for,
 )
 
 TEXTS = ["hello", "Hello, world!\n\tdef f(x):\n        return x ** 2  # 42", "Grüße, 世界 — ½ ≤ ∞ 🙂",
