@@ -130,10 +130,13 @@ def tokenizer_for(source, cfg):
     from k3compile.tokenizer import MIN_VOCAB, TokenizerError, load_tokenizer, preset_tokenizer
 
     kind = kind_of(source)
-    built = preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) \
-        if kind in (PRESET, CONFIG) and cfg.vocab_size >= MIN_VOCAB else None
+
+    def built():
+        return preset_tokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) \
+            if cfg.vocab_size >= MIN_VOCAB else None
+
     if kind == PRESET:
-        return built
+        return built()
     path = Path(source)
     folder = path if path.is_dir() else path.parent
     if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
@@ -147,4 +150,4 @@ def tokenizer_for(source, cfg):
         origin = read_record(folder).get("source", {}).get("source")
         return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
             else None
-    return tok if tok is not None or kind != CONFIG else built  # a bare config.json: random weights, any tokenizer
+    return tok if tok is not None or kind != CONFIG else built()  # a bare config.json: random weights, any tokenizer

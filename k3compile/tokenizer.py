@@ -1,9 +1,9 @@
 """Text in, text out: the tokenizer and chat template a model ships (docs/architecture.md, "Tokenizers").
 
-Two formats, each read through its own library, never by hand:
+Two formats, each encoded by its own library:
 - K2 / K3 style: `tiktoken.model` (base64 token and rank per line) with `tokenizer_config.json` (the special tokens in
   `added_tokens_decoder`, `bos_token` / `eos_token`, `chat_template`), encoded by `tiktoken` with Kimi's
-  pre-tokenization pattern (`KIMI_PATTERN`);
+  pre-tokenization pattern (`KIMI_PATTERN`); the rank file is parsed here (`_read_ranks` says why);
 - Hugging Face `tokenizer.json`, through `tokenizers` (with its `tokenizer_config.json` when there is one).
 A `chat_template.jinja` beside them takes precedence over the config's template. Templates render in jinja2's
 immutable sandbox, as transformers renders them (a template is code from a download).
@@ -194,7 +194,7 @@ def load_tokenizer(folder: str | Path, vocab_size: int | None = None, bos_id: in
     files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
     try:
         if (folder / TOKENIZER_JSON).is_file():
-            tok = _from_tokenizers(folder / TOKENIZER_JSON, conf)
+            tok = _from_tokenizers(folder / TOKENIZER_JSON)
         elif (folder / TIKTOKEN_MODEL).is_file():
             tok = _from_tiktoken(folder / TIKTOKEN_MODEL, conf)
         else:
@@ -206,13 +206,13 @@ def load_tokenizer(folder: str | Path, vocab_size: int | None = None, bos_id: in
     kind, impl, specials = tok
     bos = specials.get(_token_text(conf.get("bos_token")) or "", bos_id)
     eos = specials.get(_token_text(conf.get("eos_token")) or "", eos_id)
-    result = Tokenizer(kind, impl, specials, bos, tuple(i for i in (eos, eos_id) if i is not None), template, files)
-    result.eos_ids = tuple(dict.fromkeys(result.eos_ids))
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eos_id) if i is not None))
+    result = Tokenizer(kind, impl, specials, bos, eos_ids, template, files)
     _check_vocab(result, vocab_size, folder)
     return result
 
 
-def _from_tokenizers(path: Path, conf: dict):
+def _from_tokenizers(path: Path):
     from tokenizers import Tokenizer as HFTokenizer
 
     impl = HFTokenizer.from_file(str(path))
@@ -290,7 +290,7 @@ def preset_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None) ->
         top = [i for i in range(vocab_size - 1, -1, -1) if i not in specials.values()][:len(ROLE_MARKERS)]
         specials.update(zip(ROLE_MARKERS, top))
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = [_byte_char(b) for b in range(256)]
+    byte_chars = _byte_chars()
     taken = set(specials.values())
     free = (i for i in range(vocab_size) if i not in taken)
     vocab: dict[str, int] = {}
@@ -301,7 +301,7 @@ def preset_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None) ->
     for b in range(256):
         if b in kept:
             vocab[byte_chars[b]] = next(free)
-    dropped = [byte_chars[b] for b in range(256) if b not in kept]
+    dropped = [b for b in range(256) if b not in kept]
     merges: list[tuple[str, str]] = []
     if vocab_size - len(vocab) - len(taken) > 0:
         probe = HFTokenizer(models.BPE())
@@ -325,7 +325,7 @@ def preset_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None) ->
     impl.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     impl.decoder = decoders.ByteLevel()
     if dropped:
-        impl.normalizer = normalizers.Sequence([normalizers.Replace(_raw_char(c), "") for c in dropped])
+        impl.normalizer = normalizers.Sequence([normalizers.Replace(chr(b), "") for b in dropped])
     doc = json.loads(impl.to_str())
     doc["added_tokens"] = [{"id": tid, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
                             "normalized": False, "special": True} for text, tid in sorted(specials.items(),
@@ -340,18 +340,9 @@ def preset_tokenizer(vocab_size: int, bos_id: int | None, eos_id: int | None) ->
     return tok
 
 
-def _byte_char(b: int) -> str:
-    """GPT-2's byte-to-unicode map, which tokenizers' ByteLevel uses: printable bytes stand for themselves."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    if b in printable:
-        return chr(b)
-    return chr(256 + sum(1 for x in range(b) if x not in printable))
-
-
-def _raw_char(c: str) -> str:
-    """The text character a ByteLevel character stands for (a dropped byte is removed from the text itself)."""
-    for b in range(256):
-        if _byte_char(b) == c:
-            return chr(b)
-    raise ValueError(c)
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode map, which tokenizers' ByteLevel uses: printable bytes stand for themselves, the
+    others for the code points from 256 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]

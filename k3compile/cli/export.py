@@ -92,7 +92,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
             use_threads(threads or default_threads(model.config))
             if target is not None:
                 return _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify,
-                                           tolerance, threads, as_json, quiet, step, dense=dense)
+                                           tolerance, threads, as_json, quiet, step, dense=dense, held=held)
             doc = export_checked(model, out, opset=opset, activations=activations, overwrite=overwrite,
                                  verify_parity=not no_verify, tolerance=tolerance, threads=threads, source=record,
                                  progress=step, dense_weights=held)
@@ -110,7 +110,7 @@ def command(source, out, weights, activations, opset, weight_seed, seed_alias, o
 
 
 def _export_and_compile(model, out, target, record, opset, activations, overwrite, no_verify, tolerance, threads,
-                        as_json, quiet, step, dense="auto"):
+                        as_json, quiet, step, dense="auto", held="source"):
     """Export into a temporary folder (removed after, whatever happens), then compile it into OUT."""
     import shutil
     import tempfile
@@ -123,7 +123,7 @@ def _export_and_compile(model, out, target, record, opset, activations, overwrit
     try:
         export_checked(model, scratch / "export", opset=opset, activations=activations, verify_parity=not no_verify,
                        tolerance=tolerance, threads=threads, source=record, progress=step,
-                       dense_weights="mxfp8" if dense == "mxfp8" else "source")
+                       dense_weights=held)
         manifest = compile_export(scratch / "export", out, target=target, overwrite=overwrite, progress=step,
                                   dense=dense)
     finally:

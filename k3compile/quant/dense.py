@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from k3compile.modes import DENSE_QUANT
-from k3compile.quant.mx import BLOCK, E4M3, fake_quant_mx, mx_scales
+from k3compile.quant.mx import BLOCK, E4M3, dequantize_mx, fake_quant_mx, quantize_mx
 
 # The largest scale byte the CPU kernel decodes: it applies a block's scale as the fp32 2^(scale - 71)
 # (passes/pack_dense_weights.py: mxfp8_factor), a normal number while scale <= 198 (a block whose largest
@@ -50,7 +50,6 @@ def holds_mxfp8(value: np.ndarray, axis: int) -> bool:
     if value.ndim != 2 or value.dtype != np.float32 or value.shape[axis] % BLOCK:
         return False
     t = torch.from_numpy(np.ascontiguousarray(np.moveaxis(value, axis, -1)))
-    if not torch.isfinite(t).all() or int(mx_scales(t, E4M3).max()) > MXFP8_SCALE_MAX:
-        return False
-    return torch.equal(fake_quant_mx(t, E4M3), t)
+    elems, scales = quantize_mx(t, E4M3)  # a block with a NaN or an infinity gets scale byte 255: refused below
+    return int(scales.max()) <= MXFP8_SCALE_MAX and torch.equal(dequantize_mx(elems, scales), t)
 
