@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from k3compile.errors import UserError
+from k3compile.state import join_rows, on_host
 
 
 class GenerationError(UserError):
@@ -146,6 +147,94 @@ def step_last_of(backend) -> Callable:
     return last
 
 
+def default_prefill_chunk(cfg, batch: int = 1, context: int | None = None, available: int | None = None) -> int:
+    """Tokens per prefill step when none is asked (docs/architecture.md, "Serving"): a chunk's attention
+    scores [batch, heads, chunk, context] (fp32, four such tensors live at once in the eager model) in an eighth of
+    the memory available now, as a power of two in [64, 4096]. `context`: the positions the prefill reaches."""
+    import psutil
+
+    context = context or cfg.max_position_embeddings
+    available = psutil.virtual_memory().available if available is None else available
+    per_token = batch * max(cfg.num_attention_heads, cfg.kda_num_heads) * context * 4 * 4
+    chunk = 4096
+    while chunk > 64 and chunk * per_token > available // 8:
+        chunk //= 2
+    return chunk
+
+
+def check_chunk(chunk: int | None) -> None:
+    if chunk is not None and chunk < 1:
+        raise GenerationError(f"the prefill chunk must be at least 1 token, got {chunk}")
+
+
+def prefill_chunks(step_last: Callable, ids: Tensor, mask: Tensor, past, chunk: int | None):
+    """A left-padded batch's prefill (ids [B, T], mask [B, P+T]) in steps of at most `chunk` tokens, each fed the
+    state the one before returned: the memory of a chunk's attention, whatever T is. -> (last logits [B, 1, V],
+    present)."""
+    t = ids.shape[1]
+    chunk = chunk or t
+    p = mask.shape[1] - t
+    logits = None
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        logits, past = step_last(ids[:, start:stop], mask[:, :p + stop], past)
+    return logits, past
+
+
+class RowPrefill:
+    """One prompt's prefill as a single row, a chunk per `advance()` (so a server runs decode steps between them),
+    resumed from the longest prefix `cache` holds (prefix_cache.py) and storing the state at every block boundary it
+    passes. Chunks end at every `chunk` tokens (None: default_prefill_chunk) and at every cache block boundary.
+    When `done`: `logits` [1, V] of the last position, `past` the row's state (batch 1), `mask` [1, len(prompt)] of
+    ones."""
+
+    def __init__(self, backend, prompt: list[int], chunk: int | None = None, cache=None) -> None:
+        check_chunk(chunk)
+        self.backend, self.prompt, self.cache = backend, list(prompt), cache
+        self.chunk = chunk or default_prefill_chunk(backend.config, 1, len(self.prompt))
+        self._step = step_last_of(backend)
+        self.resumed, past = cache.lookup(self.prompt) if cache is not None else (0, None)
+        self.past = past if past is not None else backend.init_past(1)
+        self.n = self.resumed
+        self.logits: Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.n == len(self.prompt)
+
+    @property
+    def mask(self) -> Tensor:
+        return torch.ones(1, self.n, dtype=torch.long)
+
+    def advance(self) -> None:
+        start = self.n
+        stop = min(len(self.prompt), start + self.chunk)
+        if self.cache is not None:
+            stop = min(stop, (start // self.cache.block + 1) * self.cache.block)
+        ids = torch.tensor([self.prompt[start:stop]], dtype=torch.long)
+        logits, self.past = self._step(ids, torch.ones(1, stop, dtype=torch.long), self.past)
+        self.n = stop
+        if self.cache is not None and stop % self.cache.block == 0:
+            self.cache.store(self.prompt[:stop], on_host(self.backend, self.past))
+        if self.done:
+            self.logits = logits[:, -1]
+
+    def run(self) -> RowPrefill:
+        while not self.done:
+            self.advance()
+        return self
+
+
+def prefill_rows(backend, prompts: list[list[int]], chunk: int | None = None, cache=None):
+    """Each prompt prefilled as its own row (RowPrefill: from the cache, in chunks), the rows joined into one
+    left-padded batch (state.join_rows). -> (last logits [B, V], present, mask [B, max len])."""
+    rows = [RowPrefill(backend, p, chunk, cache).run() for p in prompts]
+    if len(rows) == 1:
+        return rows[0].logits, rows[0].past, rows[0].mask
+    past, mask = join_rows(backend.config, [(on_host(backend, r.past), r.mask) for r in rows])
+    return torch.cat([r.logits for r in rows]), past, mask
+
+
 def generate(
     backend,
     prompts: list[list[int]],
@@ -156,9 +245,16 @@ def generate(
     eos_token_id: int | None = None,
     keep_logits: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    prefill_chunk: int | None = None,
+    cache=None,
 ) -> Generation:
+    """`prefill_chunk`: the prefill runs in steps of at most that many tokens (prefill_chunks; None:
+    default_prefill_chunk for the batch and its longest prompt); `cache`: a
+    prefix_cache.PrefixCache each prompt resumes from and fills (the prompts are then prefilled one row each and
+    joined, prefill_rows)."""
     cfg = backend.config
     check_request(cfg, prompts, max_new_tokens, temperature, top_p)
+    check_chunk(prefill_chunk)
     gen = torch.Generator().manual_seed(seed)
     kept: list[Tensor] = []
     past = backend.init_past(len(prompts))
@@ -166,8 +262,15 @@ def generate(
 
     def step(ids: Tensor, mask: Tensor, index: int) -> Tensor:
         nonlocal past
-        logits, past = step_last(ids, mask, past)
-        last = logits[:, -1]
+        if index > 0:
+            logits, past = step_last(ids, mask, past)
+            last = logits[:, -1]
+        elif cache is not None:
+            last, past, _ = prefill_rows(backend, prompts, prefill_chunk, cache)
+        else:
+            chunk = prefill_chunk or default_prefill_chunk(cfg, len(prompts), ids.shape[1])
+            logits, past = prefill_chunks(step_last, ids, mask, past, chunk)
+            last = logits[:, -1]
         check_finite(last, index)
         if keep_logits:
             kept.append(last.detach().clone())

@@ -46,7 +46,7 @@ def _k3_tiny() -> K3Config:
     # summaries; latent MoE (32 of 64) with 2 shared experts and MXFP4 routed experts.
     return _k3().replace(
         name="k3-tiny", vocab_size=256, hidden_size=64, num_hidden_layers=7, full_attn_layers=(3, 5, 6),
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=65536, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         kda_num_heads=2, kda_head_dim=16, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=2,

@@ -135,6 +135,11 @@ class ExecutorBackend:
         past = init_past(self.config, batch)
         return past if self.host else [tuple(self.program.upload(t.numpy()) for t in pair) for pair in past]
 
+    def host_past(self, past: Past) -> Past:
+        """A state (on the device between steps) in host memory: what joins or splits batch rows and the prefix
+        cache hold (state.on_host); a step takes host tensors back as they are."""
+        return [tuple(self.device.host(t) for t in pair) for pair in past]
+
     @torch.no_grad()
     def step(self, input_ids, attention_mask, past: Past):
         check_step(self.config, input_ids, attention_mask, past)

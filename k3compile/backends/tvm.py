@@ -16,7 +16,8 @@ MLA's caches stay in place when the library has `main_inplace` (passes/inplace_c
 doubled when a step needs more), a step writes only its new rows there, and the `present` it returns for an MLA
 layer is a view of the buffer's filled rows. A `past` that is the last `present` of this backend goes back as its
 buffers, nothing copied; any other past (one built elsewhere, or an older state stepped again: a branch) is copied
-into new buffers first, so a state once returned never changes.
+into new buffers first, so a state once returned never changes. The buffers of the last CACHE_SETS batches are
+kept, so a server that alternates its running batch's decode steps with a new prompt's prefill chunks copies neither.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ from k3compile.interface import (
 from k3compile.passes.inplace_caches import INPLACE_FUNC, LAST_FUNC
 
 MIN_CAPACITY = 256  # rows a new cache buffer holds at least; it doubles when a step needs more
+# A step whose attention is at least this many (token, position) pairs gives its intermediates back to the system
+# afterwards: the VM's pooled allocator keeps every block it freed for a later request of the same size, and the
+# steps of a chunked prefill each take new sizes (their cache is longer), so the pool grew by every chunk's
+# intermediates: 14 GB over a 32k-token prompt in 2048-token chunks on k3-tiny, with the peak of one chunk ~1 GB.
+RELEASE_AT = 1 << 22
+CACHE_SETS = 2  # decode batches whose buffers are kept: a server's running batch and the prompt it prefills beside
 
 
 class _InPlaceCaches:
@@ -103,7 +110,7 @@ class TvmBackend:
         self._vm = relax.VirtualMachine(self.executable, self.device)
         self._decode_vm = None if self._decode_executable is None else relax.VirtualMachine(self._decode_executable,
                                                                                              self.device)
-        self._caches: _InPlaceCaches | None = None  # the MLA caches kept in place, when main_inplace is there
+        self._caches: list[_InPlaceCaches] = []  # MLA caches kept in place (main_inplace), most recent last
         self.inplace = self._has(INPLACE_FUNC)
         self._last = self._has(LAST_FUNC)
 
@@ -175,15 +182,18 @@ class TvmBackend:
         `past` is what it last returned (grown by doubling when full), else new ones with `past` copied in."""
         from tvm.runtime import empty
 
-        mine = self._caches is not None and self._caches.holds(past, batch, length)
-        if mine and self._caches.capacity >= needed:
-            return self._caches
-        capacity = max(MIN_CAPACITY, self._caches.capacity if mine else 0)
+        mine = next((c for c in self._caches if c.holds(past, batch, length)), None)
+        if mine is not None:
+            self._caches.remove(mine)
+        if mine is not None and mine.capacity >= needed:
+            self._caches.append(mine)
+            return mine
+        capacity = max(MIN_CAPACITY, mine.capacity if mine is not None else 0)
         while capacity < needed:
             capacity *= 2
         caches = _InPlaceCaches(self.config, batch, capacity, self.device, empty)
         caches.fill(past, length)
-        self._caches = caches
+        self._caches = [*self._caches[-(CACHE_SETS - 1):], caches]
         return caches
 
     @torch.no_grad()
@@ -210,10 +220,19 @@ class TvmBackend:
             feeds += caches.buffers[i] if i in caches.buffers else [
                 self._input(t.detach().cpu().numpy().astype(np.float32, copy=False)) for t in pair]
         outs = vm[function](*feeds, tvm.runtime.ShapeTuple([length]), *self._params)
+        if tokens * mask.shape[1] >= RELEASE_AT:
+            _release_pool()
         mla = caches.present(mask.shape[1])  # the buffers main_inplace wrote and returned, as views
         present = [mla[i] if i in mla else (torch.from_dlpack(a), torch.from_dlpack(b))
                    for i, (a, b) in enumerate(unflatten(list(outs)[1:]))]
         return torch.from_dlpack(outs[0]), present
+
+
+def _release_pool() -> None:
+    """Free the blocks TVM's pooled allocators hold for reuse (tensors in use are not touched)."""
+    import tvm
+
+    tvm.get_global_func("vm.builtin.memory_manager.clear")()
 
 
 def _has_function(vm, name: str) -> bool:

@@ -50,12 +50,18 @@ from k3compile.presets import DEFAULT_PRESET
               help="Seed of the random weights when SOURCE is a preset or a config.json.")
 @click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True,
               help="Routed-expert weights of SOURCE: as stored, dequantized to float, or quantized to MXFP4.")
+@click.option("--prefill-chunk", default=None, type=IntRange(min=1),
+              help="Tokens per prefill step, each fed the state the one before left (default: sized to the prompts "
+                   "and this machine's free memory, at most 4096): a prompt of any length in the memory of a chunk.")
+@click.option("--cache-block", default=None, type=IntRange(min=1),
+              help="Prefill each prompt as its own row through a prefix-state cache that keeps the state every this "
+                   "many tokens: prompts of the batch that share a prefix run it once.")
 @click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens, backend, device, temperature, top_p,
-            seed, weight_seed, experts, threads, as_json, quiet):
+            seed, weight_seed, experts, prefill_chunk, cache_block, threads, as_json, quiet):
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights): from token ids, or from
     text (--prompt, --chat, --messages) through SOURCE's tokenizer."""
     from k3compile.generate import generate as run
@@ -88,16 +94,23 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
         with status(f"loading {source}", quiet) as step:
             engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
                                   progress=step)
+        cache = None
+        if cache_block is not None:
+            from k3compile.prefix_cache import PrefixCache
+
+            cache = PrefixCache(engine.config, cache_block)
         bar, cb = progress("generating", quiet)
         with bar or nullcontext():
             result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                         seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb)
+                         seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb,
+                         prefill_chunk=prefill_chunk, cache=cache)
     doc = {
         "source": source, "backend": engine.name, "prompts": prompts, "tokens": result.tokens,
         **({"texts": [tokenizer.decode(t) for t in result.tokens]} if tokenizer is not None else {}),
         **({"device": engine.describe()} if hasattr(engine, "describe") else {}),
         "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps else None,
+        **({"prefix_cache": {"hits": cache.stats.hits, "hit_tokens": cache.stats.hit_tokens}} if cache else {}),
     }
     if as_json:
         click.echo(dumps(doc))

@@ -52,11 +52,11 @@ def test_200_decode_steps_in_place_equal_the_functional_path(tvm_artifact, monke
         logits_f, past_f = functional.step(ids, mask, past_f)
         _same(logits_i, logits_f)
         _same(past_i, past_f)
-        capacities.append(inplace._caches.capacity)
+        capacities.append(inplace._caches[-1].capacity)
         if step and past_i[mla[0]][0].data_ptr() != before:
             moved += 1
         for i in mla:  # the present handed out is a view of the buffer main_inplace wrote
-            assert past_i[i][0].data_ptr() == inplace._caches.full[i][0].data_ptr()
+            assert past_i[i][0].data_ptr() == inplace._caches[-1].full[i][0].data_ptr()
         ids = logits_f[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
     assert past_i[mla[0]][0].shape[1] == len(PROMPTS[0]) + 200

@@ -123,9 +123,9 @@ def test_non_finite_logits_at_a_decode_step():
 
 
 def test_generation_longer_than_the_model_is_refused():
-    # k3-tiny's max_position_embeddings is 4096: 3 + 4094 is one too many (and 10^20 must not run for ever)
-    one_line_error(run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4094"),
-                   "exceeds the model's max_position_embeddings (4096)")
+    # k3-tiny's max_position_embeddings is 65536: 3 + 65534 is one too many (and 10^20 must not run for ever)
+    one_line_error(run("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "65534"),
+                   "exceeds the model's max_position_embeddings (65536)")
     one_line_error(run("generate", "--max-new-tokens", "99999999999999999999"), "max_position_embeddings")
 
 
