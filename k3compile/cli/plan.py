@@ -73,9 +73,11 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory) -> None:
 
     t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB ({dtype}, context "
                     f"{context}, batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
-                    "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D")
+                    "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D; "
+                    "max ctx: the longest context every device holds at this batch")
     t.add_column("mesh", no_wrap=True)
-    for col in ("dense", "experts", "state", "total", "fits", "all-reduce", "send", "a2a D_e", "a2a D", "D_e/D"):
+    for col in ("dense", "experts", "state", "total", "fits", "max ctx", "all-reduce", "send", "a2a D_e", "a2a D",
+                "D_e/D"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         b = r["device_bytes"]
@@ -84,7 +86,7 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory) -> None:
         a2a = r["all_to_all_per_token"]
         ratio = f"{a2a['latent'] / a2a['full_width']:.2f}" if a2a["full_width"] else "-"
         t.add_row(r["mesh"], f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{state / GIB:,.2f}",
-                  f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no",
+                  f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no", f"{r['max_context']:,}",
                   _bytes(r["bytes_per_token"]["all_reduce"]), _bytes(r["bytes_per_token"]["send"]),
                   _bytes(a2a["latent"]), _bytes(a2a["full_width"]), ratio)
     table_console().print(t)

@@ -159,12 +159,14 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
              device_memory: int) -> dict:
     """One mesh's row of `k3compile plan`: the fullest device's memory by kind (its lowest rank), whether it fits,
     and the bytes per decode token by collective summed over the mesh (with the all-to-all dispatch alternative,
-    latent and full width). `batch` is the whole batch, split over dp replicas. Each class of alike ranks is priced
-    once (`alike_ranks`)."""
+    latent and full width), and the longest context the devices hold at this batch (`max_context`: the KDA state is
+    fixed per row, the MLA cache grows per token; at most the model's max_position_embeddings). `batch` is the
+    whole batch, split over dp replicas. Each class of alike ranks is priced once (`alike_ranks`)."""
     plan = make_plan(cfg, mesh)
     w = DTYPE_BYTES[dtype]
     worst: dict | None = None
     total = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
+    longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
     for r, count in alike_ranks(plan, batch):
         p, b = plan.rank(r), plan.rank_rows(batch, r)[2]
         mem = {**rank_weights(cfg, sizes, p, w), **rank_state(cfg, p, b, context, w),
@@ -172,6 +174,11 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
         row = {"rank": r, "bytes": mem, "total": sum(mem.values())}
         if worst is None or (row["total"], -r) > (worst["total"], -worst["rank"]):
             worst = row
+        per_token = rank_state(cfg, p, b, 1, w)["mla_cache"]
+        if per_token:
+            fixed = row["total"] - mem["mla_cache"]
+            holds = max(0, (device_memory - fixed) // per_token)
+            longest = holds if longest is None else min(longest, holds)
         for k, v in step_bytes(cfg, plan, r, batch, w).items():
             total[k] += count * v
     a2a = {"latent": 0.0, "full_width": 0.0}
@@ -186,6 +193,8 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
+            "max_context": min(longest, cfg.max_position_embeddings) if longest is not None
+            else cfg.max_position_embeddings,
             "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a}
 
 

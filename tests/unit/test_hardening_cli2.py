@@ -80,12 +80,15 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
     reference the class reduction must equal exactly."""
     plan, w = make_plan(cfg, mesh), DTYPE_BYTES[dtype]
     worst, total = None, dict.fromkeys(("all_reduce", "all_to_all", "send", "broadcast"), 0)
+    holds = []
     for p in plan.ranks():
         b = plan.rank_rows(batch, p.rank)[2]
         mem = {**cost.rank_weights(cfg, sizes, p, w), **cost.rank_state(cfg, p, b, context, w),
                "activations": cost.rank_activations(cfg, p, b, w)}
         if worst is None or sum(mem.values()) > worst[2]:
             worst = (p.rank, mem, sum(mem.values()))
+        if mem["mla_cache"]:  # the context that fills this rank: everything else is fixed, the cache per token
+            holds.append(max(0, (memory - sum(mem.values()) + mem["mla_cache"]) * context // mem["mla_cache"]))
         for k, v in cost.step_bytes(cfg, plan, p.rank, batch, w).items():
             total[k] += v
     latent = full = 0
@@ -96,6 +99,7 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
             full += cost.step_bytes(cfg, other, p.rank, batch, w, cfg.hidden_size)["all_to_all"]
     return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst[0], "device_bytes": worst[1], "device_total": worst[2], "fits": worst[2] <= memory,
+            "max_context": min([*holds, cfg.max_position_embeddings]),
             "bytes_per_token": {k: v / batch for k, v in total.items()},
             "all_to_all_per_token": {"latent": latent / batch, "full_width": full / batch}}
 
@@ -217,11 +221,11 @@ def test_bench_defaults_pass_every_check(no_work):
 
 @pytest.mark.parametrize("args,option", [
     (["--prefill", "100000"], "--prefill"),  # k3-small: 65536 positions
-    (["k3-tiny", "--prefill", "4097"], "--prefill"),
+    (["k3-tiny", "--prefill", "65537"], "--prefill"),
     (["--prefill", "512,60000"], "--prefill"),  # fits the positions, not 16 GiB: [1, 8, T, T] fp32 scores
     (["--decode-batches", "1,100000"], "--decode-batches"),
     (["--decode-steps", "70000"], "--decode-steps"),
-    (["k3-tiny", "--decode-steps", "4081"], "--decode-steps"),  # 16 prompt tokens + 4081 > 4096
+    (["k3-tiny", "--decode-steps", "65521"], "--decode-steps"),  # 16 prompt tokens + 65521 > 65536
     (["k3", "--backends", "eager"], "GiB"),  # 2.8T parameters
     (["--mesh", "ep=2", "--decode-steps", "70000"], "--decode-steps"),
     (["--mesh", "ep=2", "--decode-batches", "100000"], "--decode-batches"),
