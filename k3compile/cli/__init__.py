@@ -1,5 +1,5 @@
 """The `k3compile` command line: a thin click layer, one module per verb (presets, plan, generate, export, compile,
-verify, run, bench).
+verify, run, serve, bench).
 
 Each command parses, calls one library function, prints. Errors the user can fix (errors.UserError) print one line
 and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files removed) with one line and exit 143; progress
@@ -18,7 +18,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import click  # noqa: E402
 
 from k3compile import __version__  # noqa: E402
-from k3compile.cli import bench, compile, export, generate, plan, presets, run, verify
+from k3compile.cli import bench, compile, export, generate, plan, presets, run, serve, verify
 from k3compile.cli.common import Group  # noqa: E402
 
 
@@ -35,5 +35,5 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
-for _verb in (presets, plan, generate, export, compile, verify, run, bench):
+for _verb in (presets, plan, generate, export, compile, verify, run, serve, bench):
     main.add_command(_verb.command)

@@ -126,9 +126,22 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--allow-busy", "allow_busy", is_flag=True,
               help="Report even when other processes keep the machine busy (the figures are then marked); by "
                    "default the bench refuses past 0.25 busy cores before or after measuring.")
+@click.option("--serve", "serve", is_flag=True,
+              help="Instead: `k3compile serve` on SOURCE's llvm artifact, as clients see it over HTTP: time to first "
+                   "token with a cached prefix against an uncached one, concurrent streams against the same requests "
+                   "one by one, one client's decode against `generate`.")
+@click.option("--serve-prefix", default=2048, show_default=True, type=IntRange(1, MAX_SIZE),
+              help="With --serve: the shared prefix's tokens (a whole number of cache blocks, 256).")
+@click.option("--serve-suffix", default=32, show_default=True, type=IntRange(1, MAX_SIZE),
+              help="With --serve: the new tokens after the prefix.")
+@click.option("--serve-clients", default=8, show_default=True, type=IntRange(1, 1024),
+              help="With --serve: concurrent streaming clients (and the server's --max-batch).")
+@click.option("--serve-tokens", default=64, show_default=True, type=IntRange(2, MAX_SIZE),
+              help="With --serve: tokens each client's request generates.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, decode_past, target, json_path,
-            png_path, meshes, dispatches, llama_bench, gguf, allow_busy, quiet):
+            png_path, meshes, dispatches, llama_bench, gguf, allow_busy, serve, serve_prefix, serve_suffix,
+            serve_clients, serve_tokens, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
@@ -153,6 +166,18 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
         from k3compile.targets import resolve
 
         target = resolve(target)  # once, here: the library takes the Target
+        if serve:
+            from k3compile.serving.bench import run_serve_bench, serve_table
+
+            if meshes or llama_bench or png_path:
+                raise click.UsageError("--serve runs alone: not with --mesh, --llama-bench or --png")
+            with status(f"benchmarking serve on {source}", quiet) as step:
+                result = run_serve_bench(source, threads, repeats, serve_prefix, serve_suffix, serve_clients,
+                                         serve_tokens, progress=step, allow_busy=allow_busy)
+            if json_path is not None:
+                _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
+            click.echo(serve_table(result))
+            return
         if meshes:
             from k3compile.bench import mesh_table, run_mesh_bench
 

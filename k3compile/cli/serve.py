@@ -1,0 +1,126 @@
+"""`k3compile serve`: an OpenAI-compatible HTTP server over any SOURCE the runtime runs (serving/)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from k3compile.artifact import Terminated
+from k3compile.backends.choose import KINDS, open_backend
+from k3compile.cli.common import SEED, THREADS_HELP, IntRange, status, user_errors
+from k3compile.config import EXPERT_CHOICES
+from k3compile.presets import DEFAULT_PRESET
+from k3compile.serving.app import DEFAULT_CACHE_BYTES
+
+LOCAL = "127.0.0.1"
+
+
+@click.command("serve")
+@click.argument("source", default=DEFAULT_PRESET)
+@click.option("--host", default=LOCAL, show_default=True,
+              help="The address to listen on. Anything but a loopback address exposes the server to the network: "
+                   "give --api-key with it.")
+@click.option("--port", default=8000, show_default=True, type=IntRange(min=0, max=65535),
+              help="The port (0: a free one, printed when the server listens).")
+@click.option("--api-key", default=None, envvar="K3COMPILE_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on every path but /health.")
+@click.option("--model-name", default=None,
+              help="The model name clients ask for (default: the preset's name, or SOURCE's folder name).")
+@click.option("--max-batch", default=8, show_default=True, type=IntRange(min=1, max=1024),
+              help="Requests decoded together in the running batch.")
+@click.option("--max-queue", default=64, show_default=True, type=IntRange(min=0),
+              help="Requests waiting for a row; one more is answered 429.")
+@click.option("--prefill-chunk", default=None, type=IntRange(min=1),
+              help="Tokens per prefill step (default: sized to the prompt and this machine's free memory, at most "
+                   "4096); decode steps of the running batch run between a long prompt's chunks.")
+@click.option("--cache-block", default=256, show_default=True, type=IntRange(min=1),
+              help="The prefix cache keeps the decode state every this many prompt tokens.")
+@click.option("--prefix-cache-bytes", default=DEFAULT_CACHE_BYTES, show_default=True, type=IntRange(min=0),
+              help="The prefix cache's byte budget (least recently used evicted first; 0: no prefix cache).")
+@click.option("--backend", type=click.Choice(KINDS), default="auto", show_default=True,
+              help="As `generate --backend`: an artifact on its own target, an export in onnxruntime, anything else "
+                   "eager; tvm / onnx build a preset, config or checkpoint into the cache first.")
+@click.option("--device", type=IntRange(min=0), default=None, help="A GPU artifact's device index.")
+@click.option("--weight-seed", default=0, show_default=True, type=SEED,
+              help="Seed of the random weights when SOURCE is a preset or a config.json.")
+@click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True)
+@click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
+            prefix_cache_bytes, backend, device, weight_seed, experts, threads, quiet):
+    """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
+    (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
+    from k3compile.presets import load_config
+    from k3compile.serving.app import create_server, serve
+    from k3compile.source import kind_of, tokenizer_for
+    from k3compile.threads import default_threads, use_threads
+
+    with user_errors():
+        _refuse_sharded(source)
+        cfg = load_config(source)
+        use_threads(threads or default_threads(cfg))
+        with status(f"loading {source}", quiet) as step:
+            engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
+                                          device=device, progress=step)
+        tokenizer = tokenizer_for(source, engine_backend.config)
+        app, engine = create_server(engine_backend, tokenizer, model_name or _default_name(source, kind_of(source)),
+                            api_key, max_batch, max_queue, prefill_chunk,
+                            cache_block, prefix_cache_bytes)
+        if host not in (LOCAL, "localhost", "::1") and api_key is None:
+            click.echo(f"warning: listening on {host} without --api-key: anyone who reaches it can use it",
+                       err=True)
+        def ready(h: str, p: int) -> None:
+            shown = f"[{h}]" if ":" in h else h
+            click.echo(f"serving {app.state.model_name} ({engine_backend.name}) on http://{shown}:{p}/v1", err=True)
+            if not quiet:
+                click.echo(_context_line(engine_backend.config, max_batch), err=True)
+            sys.stderr.flush()
+
+        try:
+            serve(app, host, port, ready)
+        except (Terminated, KeyboardInterrupt):  # uvicorn shut down gracefully, then passed the signal on
+            pass
+        finally:
+            engine.close()
+        if not quiet:
+            click.echo("server stopped", err=True)
+
+
+def _context_line(cfg, max_batch: int) -> str:
+    """The longest context this machine's free memory holds now: the MLA cache grows per token (fp32 rows of
+    kv_lora_rank + qk_rope_head_dim per MLA layer), the KDA state does not."""
+    import psutil
+
+    per_token = sum(cfg.kv_lora_rank + cfg.qk_rope_head_dim for i in range(cfg.num_hidden_layers)
+                    if cfg.is_mla(i)) * 4
+    if not per_token:
+        return f"context {cfg.max_position_embeddings:,} tokens (no MLA layer: the state does not grow)"
+    holds = psutil.virtual_memory().available // per_token
+    return (f"context {cfg.max_position_embeddings:,} tokens; the MLA cache takes {per_token / 1024:,.1f} KiB a token "
+            f"a row: free memory holds {holds:,} tokens ({holds // max_batch:,} per row at --max-batch {max_batch})")
+
+
+def _default_name(source: str, kind: str) -> str:
+    from k3compile.source import PRESET
+
+    return source if kind == PRESET else Path(os.path.abspath(source)).name
+
+
+def _refuse_sharded(source: str) -> None:
+    from k3compile.interface import ExportError
+    from k3compile.manifest import MANIFEST, SHARDED_KIND
+
+    path = Path(source) / MANIFEST
+    if path.is_file():
+        import json
+
+        try:
+            kind = json.loads(path.read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            return  # the backend's own reader reports a broken manifest
+        if kind == SHARDED_KIND:
+            raise ExportError(f"{source}: a sharded artifact; `serve` runs single-device artifacts (llvm, opencl, "
+                              "webgpu) for now, and `k3compile run` runs a sharded one")

@@ -1,0 +1,183 @@
+"""`k3compile bench --serve` (docs/architecture.md, "Serving"): what `k3compile serve` costs and saves, measured on a
+live server process over HTTP, as a client sees it.
+
+- Time to first token of a prompt whose prefix the cache holds (a `prefix`-token shared prefix, a `suffix`-token
+  new tail) against the same shape of prompt never seen (a fresh random prefix each time).
+- `clients` concurrent streaming requests of `tokens` tokens each against the same requests one by one: total
+  generated tokens per second (continuous batching).
+- One client's decode tokens/s through the server (from its stream's token times) against `generate` on the same
+  artifact in this process (the serving overhead: HTTP, SSE, the engine's bookkeeping).
+
+Repetitions are interleaved and the figures are medians. The server runs with the same thread count as `generate`
+here, one of them at a time (the server is idle while `generate` runs). Requests ask `ignore_eos` (an extension
+of this server, as vLLM's), so every request generates exactly `tokens` tokens whatever the random weights pick.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from k3compile.errors import UserError
+
+
+class ServeBenchError(UserError):
+    pass
+
+
+def _start_server(artifact: str, threads: int, max_batch: int, cache_block: int):
+    args = [sys.executable, "-m", "k3compile.cli", "serve", artifact, "--port", "0", "--threads", str(threads),
+            "--max-batch", str(max_batch), "--cache-block", str(cache_block), "--quiet"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"on (http://[^ ]+)/v1", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise ServeBenchError("the server did not start: " + "".join(lines[-5:]).strip())
+
+
+def _stream(client, url: str, model: str, prompt: list[int], tokens: int) -> list[float]:
+    """One streamed completion; the arrival time of each token, from the request's start (seconds)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    times = []
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise ServeBenchError(f"the server answered {r.status_code}: {r.read().decode()[:200]}")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    raise ServeBenchError(f"the server failed a request: {doc['error']['message']}")
+                now = time.perf_counter() - t0
+                times += [now] * len(doc["choices"][0].get("token_ids") or [])
+    if len(times) != tokens:
+        raise ServeBenchError(f"a request got {len(times)} tokens, not {tokens}")
+    return times
+
+
+def _decode_rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
+
+
+def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeats: int = 3, prefix: int = 2048,
+                    suffix: int = 32, clients: int = 8, tokens: int = 64, cache_block: int = 256,
+                    progress: Callable[[str], None] | None = None, allow_busy: bool = False) -> dict:
+    import asyncio
+
+    import httpx
+
+    from k3compile.backends.tvm import TvmBackend
+    from k3compile.bench import _quiet
+    from k3compile.cache import cached_artifact
+    from k3compile.generate import generate
+    from k3compile.presets import load_config
+    from k3compile.source import ARTIFACT, kind_of
+    from k3compile.threads import available_cores, use_threads
+
+    step = progress or (lambda msg: None)
+    cfg = load_config(source)
+    if prefix % cache_block:
+        raise ServeBenchError(f"--serve-prefix {prefix} is not a whole number of --cache-block {cache_block} tokens")
+    if prefix + suffix + 1 > cfg.max_position_embeddings or 16 + tokens > cfg.max_position_embeddings:
+        raise ServeBenchError(f"a prompt of {prefix + suffix} tokens does not fit {cfg.name}'s context "
+                              f"({cfg.max_position_embeddings})")
+    threads = use_threads(threads or available_cores())
+    artifact = source if kind_of(source) == ARTIFACT else str(cached_artifact(source, progress=step))
+    model = Path(artifact).resolve().name
+    step("loading the artifact here (generate) and in a server process")
+    backend = TvmBackend(artifact)
+    proc, url = _start_server(artifact, threads, clients, cache_block)
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    rows = {k: [] for k in ("ttft_miss_s", "ttft_hit_s", "concurrent_tok_s", "serial_tok_s", "serve_decode_tok_s",
+                            "generate_decode_tok_s")}
+    try:
+        with httpx.Client() as client:
+            step("warming up")
+            _stream(client, url, model, ids(prefix + suffix), 2)
+            generate(backend, [ids(16)], 4)
+            quiet = _quiet(step, "before the measurements", allow_busy)
+            for r in range(repeats):
+                step(f"repetition {r + 1} of {repeats}")
+                shared = ids(prefix)
+                rows["ttft_miss_s"].append(_stream(client, url, model, shared + ids(suffix), 1)[0])
+                rows["ttft_hit_s"].append(_stream(client, url, model, shared + ids(suffix), 1)[0])
+                prompts = [ids(16) for _ in range(clients)]
+
+                async def together(prompts=prompts):
+                    async with httpx.AsyncClient() as ac:
+                        async def one(p):
+                            body = {"model": model, "prompt": p, "max_tokens": tokens, "temperature": 0,
+                                    "stream": True, "ignore_eos": True}
+                            n = 0
+                            async with ac.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+                                async for line in resp.aiter_lines():
+                                    if line.startswith("data: {"):
+                                        n += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                            return n
+                        return await asyncio.gather(*(one(p) for p in prompts))
+
+                t0 = time.perf_counter()
+                counts = asyncio.run(together())
+                wall = time.perf_counter() - t0
+                if sum(counts) != clients * tokens:
+                    raise ServeBenchError(f"concurrent requests got {sum(counts)} tokens, not {clients * tokens}")
+                rows["concurrent_tok_s"].append(clients * tokens / wall)
+                t0 = time.perf_counter()
+                rates = [_decode_rate(_stream(client, url, model, p, tokens)) for p in prompts]
+                rows["serial_tok_s"].append(clients * tokens / (time.perf_counter() - t0))
+                rows["serve_decode_tok_s"].append(statistics.median(rates))
+                g = generate(backend, [prompts[0]], tokens)
+                rows["generate_decode_tok_s"].append(g.decode_tokens_per_s)
+            after = _quiet(step, "after the measurements", allow_busy)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {
+        "source": source, "artifact": artifact, "threads": threads, "repeats": repeats, "prefix": prefix,
+        "suffix": suffix, "clients": clients, "tokens": tokens, "cache_block": cache_block,
+        "runs": rows, "medians": med,
+        "ttft_hit_over_miss": med["ttft_hit_s"] / med["ttft_miss_s"],
+        "concurrent_over_serial": med["concurrent_tok_s"] / med["serial_tok_s"],
+        "serve_over_generate": med["serve_decode_tok_s"] / med["generate_decode_tok_s"],
+        "quiet": {"busy_cores_before": quiet, "busy_cores_after": after, "checked": not allow_busy},
+    }
+
+
+def serve_table(result: dict) -> str:
+    m = result["medians"]
+    return "\n".join([
+        "| serve | figure | against | ratio |",
+        "|---|---|---|---|",
+        f"| time to first token, {result['prefix']}-token cached prefix + {result['suffix']} new | "
+        f"{m['ttft_hit_s'] * 1e3:.1f} ms | {m['ttft_miss_s'] * 1e3:.1f} ms uncached | "
+        f"{result['ttft_hit_over_miss']:.3f} |",
+        f"| {result['clients']} concurrent streams x {result['tokens']} tokens | {m['concurrent_tok_s']:.1f} tok/s | "
+        f"{m['serial_tok_s']:.1f} tok/s one by one | {result['concurrent_over_serial']:.2f}x |",
+        f"| one client's decode through serve | {m['serve_decode_tok_s']:.1f} tok/s | "
+        f"{m['generate_decode_tok_s']:.1f} tok/s generate | {result['serve_over_generate']:.2f}x |",
+    ])

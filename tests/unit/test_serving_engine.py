@@ -1,0 +1,148 @@
+"""The serving engine's continuous batching (serving/engine.py), driven turn by turn on eager k3-tiny: what each
+request gets equals `generate` on that request alone, whatever joins or leaves beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3compile.backends.eager import EagerBackend
+from k3compile.generate import generate
+from k3compile.prefix_cache import PrefixCache
+from k3compile.serving.engine import Engine, QueueFull, Request, RequestError, Sampling
+from k3compile.source import load_model, tokenizer_for
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return EagerBackend(load_model("k3-tiny", seed=0))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.events = []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+
+    @property
+    def tokens(self):
+        return [t for e in self.events if e.kind == "token" for t in e.token_ids]
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events if e.kind == "token")
+
+    @property
+    def finish(self):
+        done = [e for e in self.events if e.kind in ("done", "error")]
+        return done[-1].finish_reason or done[-1].message if done else None
+
+
+def _request(prompt, max_tokens, **kw):
+    sink = _Sink()
+    return Request(prompt, Sampling(max_tokens, **kw), sink), sink
+
+
+def _run(engine, until):
+    for _ in range(2000):
+        if until():
+            return
+        engine.turn()
+    raise AssertionError("the engine did not finish")
+
+
+def test_requests_join_and_leave_a_running_batch(backend):
+    engine = Engine(backend, max_batch=3, max_queue=16, prefill_chunk=8, cache=PrefixCache(backend.config, 8))
+    specs = [(_prompt(20, 1), 12, {}), (_prompt(5, 2), 3, {}), (_prompt(33, 3), 9, {}),
+             (_prompt(9, 4), 10, {"temperature": 0.9, "top_p": 0.8, "seed": 7}), (_prompt(20, 1)[:17], 6, {})]
+    reqs = []
+    seen_rows = []
+    for i, (prompt, n, kw) in enumerate(specs):
+        r, sink = _request(prompt, n, **kw)
+        engine.submit(r)
+        reqs.append((r, sink))
+        for _ in range(i + 2):  # arrivals between steps: some join mid-generation, some wait in the queue
+            engine.turn()
+            seen_rows.append(len(engine._rows))
+    _run(engine, lambda: all(s.finish for _, s in reqs))
+    assert max(seen_rows) <= 3 and engine.running == 0 and engine.queue_depth == 0
+    for (prompt, n, kw), (r, sink) in zip(specs, reqs):
+        want = generate(backend, [prompt], n, eos_token_id=backend.config.eos_token_id, **kw).tokens[0]
+        assert sink.tokens == want == r.tokens
+        assert sink.finish in ("length", "stop")
+    assert reqs[4][0].cached_tokens == 16  # the last prompt shares two 8-token blocks with the first
+
+
+def test_a_cancelled_request_frees_its_row(backend):
+    engine = Engine(backend, max_batch=2)
+    a, sa = _request(_prompt(6, 5), 50)
+    b, sb = _request(_prompt(7, 6), 8)
+    c, sc = _request(_prompt(8, 7), 4)
+    for r in (a, b, c):
+        engine.submit(r)
+    _run(engine, lambda: len(engine._rows) == 2)
+    a.cancel()
+    got = len(sa.tokens)
+    engine.turn()
+    assert len(sa.tokens) == got and a.id not in [r.request.id for r in engine._rows]
+    _run(engine, lambda: sb.finish and sc.finish)
+    assert sb.tokens == generate(backend, [b.prompt], 8, eos_token_id=2).tokens[0]
+    assert sc.tokens == generate(backend, [c.prompt], 4, eos_token_id=2).tokens[0]
+
+
+def test_refused_before_any_work(backend):
+    engine = Engine(backend, max_queue=1)
+    ok, _ = _request([5, 6], 4)
+    engine.submit(ok)
+    with pytest.raises(QueueFull):
+        engine.submit(_request([5, 6], 4)[0])
+    for prompt, sampling, param in [
+        ([5] * 10, Sampling(backend.config.max_position_embeddings), "max_tokens"),  # past the context
+        ([5], Sampling(0), "max_tokens"), ([5], Sampling(3, temperature=-1.0), "temperature"),
+        ([5], Sampling(3, top_p=0.0), "top_p"), ([999], Sampling(3), "prompt"), ([], Sampling(3), "prompt"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            engine.check(prompt, sampling)
+        assert e.value.param == param
+    assert engine.queue_depth == 1
+
+
+def test_stop_strings_and_text(backend):
+    tok = tokenizer_for("k3-tiny", backend.config)
+    prompt = tok.encode("The model answers")
+    full = generate(backend, [prompt], 24, eos_token_id=2).tokens[0]
+    text = tok.decode(full)
+    assert len(text) > 6
+    stop = text[3:5]
+    engine = Engine(backend, tok)
+    r, sink = _request(prompt, 24, stop=(stop,))
+    engine.submit(r)
+    _run(engine, lambda: sink.finish)
+    assert sink.finish == "stop" and sink.text == text[:text.find(stop)]
+    r, sink = _request(prompt, 24)
+    engine.submit(r)
+    _run(engine, lambda: sink.finish)
+    assert sink.text == text and sink.tokens == full
+
+
+def test_a_failing_step_fails_its_requests_only(backend, monkeypatch):
+    engine = Engine(backend)
+    good, sg = _request(_prompt(4, 8), 3)
+    bad, sbad = _request(_prompt(4, 9), 3)
+
+    def lost(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(backend, "step", lost)
+    engine.submit(bad)
+    engine.turn()  # admits `bad`: its prefill is the first step, which fails
+    monkeypatch.undo()
+    engine.submit(good)
+    _run(engine, lambda: sg.finish)
+    assert "internal error: RuntimeError: device lost" in sbad.finish and sbad.tokens == []
+    assert sg.tokens == generate(backend, [good.prompt], 3, eos_token_id=2).tokens[0]
