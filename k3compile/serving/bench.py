@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,12 +34,13 @@ class ServeBenchError(UserError):
     pass
 
 
-def _start_server(artifact: str, threads: int, max_batch: int, cache_block: int):
-    args = [sys.executable, "-m", "k3compile.cli", "serve", artifact, "--port", "0", "--threads", str(threads),
-            "--max-batch", str(max_batch), "--cache-block", str(cache_block), "--quiet"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start_server(args: list[str], timeout: float = 600):
+    """`k3compile serve ARGS --port 0 --quiet` in a new process: (the process, its base URL) once it listens; its
+    stderr lines in `process.log`."""
+    argv = [sys.executable, "-m", "k3compile.cli", "serve", *args, "--port", "0", "--quiet"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines = []
-    deadline = time.time() + 600
+    deadline = time.time() + timeout
     while time.time() < deadline:
         line = proc.stderr.readline()
         if not line:
@@ -46,6 +48,9 @@ def _start_server(artifact: str, threads: int, max_batch: int, cache_block: int)
         lines.append(line)
         m = re.search(r"on (http://[^ ]+)/v1", line)
         if m:
+            # the rest of its stderr kept in `proc.log` (a full pipe nobody reads would stop the server)
+            proc.log = lines
+            threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
             return proc, m.group(1)
     proc.kill()
     raise ServeBenchError("the server did not start: " + "".join(lines[-5:]).strip())
@@ -103,7 +108,8 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     model = Path(artifact).resolve().name
     step("loading the artifact here (generate) and in a server process")
     backend = TvmBackend(artifact)
-    proc, url = _start_server(artifact, threads, clients, cache_block)
+    proc, url = start_server([artifact, "--threads", str(threads), "--max-batch", str(clients), "--cache-block",
+                              str(cache_block)])
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:

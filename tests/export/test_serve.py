@@ -18,31 +18,17 @@ import pytest
 import torch
 from hardening import one_line_error, run
 
+from k3compile.serving.bench import start_server
+
 KEY = "test-key-123"
 CLI = [sys.executable, "-m", "k3compile.cli"]
-
-
-def _start(args: list[str]):
-    proc = subprocess.Popen([*CLI, "serve", *args, "--port", "0", "--quiet"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    lines = []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
-        if m:
-            return proc, m.group(1)
-    proc.kill()
-    raise AssertionError("the server did not start: " + "".join(lines) + (proc.stderr.read() or ""))
 
 
 @pytest.fixture(scope="module")
 def server(tvm_artifact):
     _, out = tvm_artifact
-    proc, url = _start([str(out), "--api-key", KEY, "--max-batch", "8", "--max-queue", "64", "--cache-block", "16"])
+    proc, url = start_server([str(out), "--api-key", KEY, "--max-batch", "8", "--max-queue", "64", "--cache-block",
+                              "16"], timeout=120)
     yield proc, url, out
     proc.send_signal(signal.SIGTERM)
     try:
@@ -50,7 +36,7 @@ def server(tvm_artifact):
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    assert proc.returncode == 0, proc.stderr.read()[-2000:]
+    assert proc.returncode == 0, "".join(proc.log)[-2000:]
 
 
 def _generate_cli(out: Path, *args) -> list[int]:
