@@ -127,6 +127,8 @@ class Engine:
             raise RequestError(f"temperature must be a finite number >= 0, got {sampling.temperature}", "temperature")
         if not 0.0 < sampling.top_p <= 1.0:
             raise RequestError(f"top_p must lie in (0, 1], got {sampling.top_p}", "top_p")
+        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:  # what torch.Generator takes
+            raise RequestError(f"seed must lie in [0, 2^64), got {sampling.seed}", "seed")
 
     def submit(self, request: Request) -> None:
         self.check(request.prompt, request.sampling)

@@ -105,6 +105,7 @@ def test_refused_before_any_work(backend):
         ([5] * 10, Sampling(backend.config.max_position_embeddings), "max_tokens"),  # past the context
         ([5], Sampling(0), "max_tokens"), ([5], Sampling(3, temperature=-1.0), "temperature"),
         ([5], Sampling(3, top_p=0.0), "top_p"), ([999], Sampling(3), "prompt"), ([], Sampling(3), "prompt"),
+        ([5], Sampling(3, seed=-1), "seed"), ([5], Sampling(3, seed=2**64), "seed"),
     ]:
         with pytest.raises(RequestError) as e:
             engine.check(prompt, sampling)
