@@ -286,7 +286,7 @@ def export(
         step("checking the ONNX model")
         onnx.checker.check_model(str(tmp / MODEL_FILE), full_check=True)
         cfg.save(tmp / CONFIG_FILE)
-        tokenizer = _carry_tokenizer(source, cfg, tmp)
+        tokenizer = carry_tokenizer(source, cfg, tmp)
         gi = GraphInterface.of(cfg)
         doc = {
             "k3compile": __version__,
@@ -325,7 +325,7 @@ def export(
     return doc
 
 
-def _carry_tokenizer(source: dict | None, cfg: K3Config, folder: Path) -> dict:
+def carry_tokenizer(source: dict | None, cfg: K3Config, folder: Path) -> dict:
     """The source's tokenizer files (k3compile/tokenizer.py) written into the export: {file name: sha256} for the
     record, {} when the source ships none (or no source is recorded)."""
     from k3compile.source import tokenizer_for

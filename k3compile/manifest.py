@@ -63,6 +63,11 @@ def is_gpu_artifact(folder: str | Path) -> bool:
     return doc.get("kind") == KIND and doc.get("target") not in (None, "llvm")
 
 
+def is_sharded(folder: str | Path) -> bool:
+    """A folder whose manifest says it is `export --mesh`'s OUT."""
+    return _loose(folder).get("kind") == SHARDED_KIND
+
+
 def check_files(folder: Path, files: dict[str, str], names, again: str = "compile again") -> None:
     """Each of `names` present in `folder` with the sha256 `files` records for it."""
     for name in names:

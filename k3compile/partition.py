@@ -281,7 +281,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
         narrow_weights,
         write_gpu_build,
     )
-    from k3compile.export import ACTIVATIONS, check_format, source_paths, trace_graph
+    from k3compile.export import ACTIVATIONS, carry_tokenizer, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
     from k3compile.passes.device_legalize import narrows_int64
@@ -358,6 +358,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
                               "constants": f"{rank_dir(p.rank)}/{CONSTANTS}"} if tgt.gpu else {}),
                           "schedule": plan.schedule(p.rank, cfg)})
         cfg.save(w.path / CONFIG_FILE)
+        tokenizer = carry_tokenizer(rec, cfg, w.path)  # what `serve OUT` reads (hashed with every file below)
         for f in sorted(w.path.rglob("*")):
             if f.is_file():
                 files[f.relative_to(w.path).as_posix()] = sha256_file(f)
@@ -367,6 +368,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
             "dense_weights": dense_format(next(iter(builds.values()))[3]),
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
+            **({"tokenizer": tokenizer} if tokenizer else {}),
             # the all-to-all's expert ids on the wire: int32 where the target has no int64 (passes/device_legalize.py)
             "expert_id_bytes": 4 if narrows_int64(tgt) else 8,
             "build_s": round(time.perf_counter() - t0, 3), "files": files,

@@ -124,9 +124,11 @@ def load_model(
 def tokenizer_for(source, cfg):
     """The tokenizer (k3compile.tokenizer.Tokenizer) of a SOURCE (docs/architecture.md, "Tokenizers"): a preset or
     a bare config.json gets `preset_tokenizer`; a checkpoint folder its own files (None when it ships none); an
-    export or artifact folder its own files (the copy the export carried, checked against its record's sha256),
-    else those of the source its record names (an export made before exports carried one)."""
-    from k3compile.interface import read_record, sha256_file
+    export, artifact or sharded OUT its own files (the copy the export carried, checked against the sha256 its
+    export.json or manifest.json records), else those of the source its record names (an export made before exports
+    carried one)."""
+    from k3compile.interface import read_json, read_record, sha256_file
+    from k3compile.manifest import is_sharded
     from k3compile.tokenizer import MIN_VOCAB, TokenizerError, load_tokenizer, preset_tokenizer
 
     kind = kind_of(source)
@@ -139,15 +141,21 @@ def tokenizer_for(source, cfg):
         return built()
     path = Path(source)
     folder = path if path.is_dir() else path.parent
-    if kind in (EXPORT, ARTIFACT):  # the files the export carried, as its record hashed them
-        carried = read_record(folder).get("tokenizer", {})
+    sharded = kind == CHECKPOINT and is_sharded(folder)  # export --mesh's OUT: its manifest is its record
+    if kind in (EXPORT, ARTIFACT) or sharded:  # the files the export carried, as its record hashed them
+        record_doc = read_json(folder / MANIFEST, "") if sharded else read_record(folder)
+        carried = record_doc.get("tokenizer", {}) if isinstance(record_doc, dict) else None
+        if not (isinstance(carried, dict) and all(isinstance(k, str) and isinstance(v, str) and Path(k).name == k
+                                                  for k, v in carried.items())):
+            raise TokenizerError(f"{folder}: its record's tokenizer entry is malformed; export again")
         for name, digest in carried.items():
             if not (folder / name).is_file() or sha256_file(folder / name) != digest:
                 raise TokenizerError(f"{folder / name}: missing or changed since the export (its sha256 differs "
-                                     "from export.json's); export again")
+                                     f"from {MANIFEST if sharded else EXPORT_JSON}'s); export again")
     tok = load_tokenizer(folder, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
-    if tok is None and kind in (EXPORT, ARTIFACT):  # an export made before exports carried one
-        origin = read_record(folder).get("source", {}).get("source")
-        return tokenizer_for(origin, cfg) if origin and (kind_of(origin) == PRESET or Path(origin).exists()) \
-            else None
+    if tok is None and (kind in (EXPORT, ARTIFACT) or sharded):  # an export made before exports carried one
+        origin = record_doc.get("source")
+        origin = origin.get("source") if isinstance(origin, dict) else None
+        usable = isinstance(origin, str) and origin and (kind_of(origin) == PRESET or Path(origin).exists())
+        return tokenizer_for(origin, cfg) if usable else None
     return tok if tok is not None or kind != CONFIG else built()  # a bare config.json: random weights, any tokenizer

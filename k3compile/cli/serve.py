@@ -53,40 +53,60 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
             prefix_cache_bytes, backend, device, weight_seed, experts, threads, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
     (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
+    from k3compile.interface import ExportError
+    from k3compile.manifest import is_sharded
     from k3compile.presets import load_config
-    from k3compile.serving.app import create_server, serve
-    from k3compile.source import kind_of, tokenizer_for
     from k3compile.threads import default_threads, use_threads
 
     with user_errors():
-        _refuse_sharded(source)
+        sharded = is_sharded(source)
+        if sharded and backend != "auto":
+            raise ExportError(f"{source}: a sharded artifact runs on its ranks; --backend {backend} does not apply")
         cfg = load_config(source)
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
-            engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
-                                          device=device, progress=step)
-        tokenizer = tokenizer_for(source, engine_backend.config)
-        app, engine = create_server(engine_backend, tokenizer, model_name or _default_name(source, kind_of(source)),
-                            api_key, max_batch, max_queue, prefill_chunk,
-                            cache_block, prefix_cache_bytes)
-        if host not in (LOCAL, "localhost", "::1") and api_key is None:
-            click.echo(f"warning: listening on {host} without --api-key: anyone who reaches it can use it",
-                       err=True)
-        def ready(h: str, p: int) -> None:
-            shown = f"[{h}]" if ":" in h else h
-            click.echo(f"serving {app.state.model_name} ({engine_backend.name}) on http://{shown}:{p}/v1", err=True)
-            if not quiet:
-                click.echo(_context_line(engine_backend.config, max_batch), err=True)
-            sys.stderr.flush()
+            if sharded:  # its ranks, started here (backends/sharded.py)
+                from k3compile.backends.sharded import ShardedBackend
 
+                engine_backend = ShardedBackend(source, threads, devices=() if device is None else (device,),
+                                                progress=step)
+            else:
+                engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
+                                              device=device, progress=step)
         try:
-            serve(app, host, port, ready)
-        except (Terminated, KeyboardInterrupt):  # uvicorn shut down gracefully, then passed the signal on
-            pass
+            _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
+                   cache_block, prefix_cache_bytes, quiet)
         finally:
-            engine.close()
+            if hasattr(engine_backend, "close"):  # a sharded artifact's ranks
+                engine_backend.close()
         if not quiet:
             click.echo("server stopped", err=True)
+
+
+def _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
+           prefix_cache_bytes, quiet) -> None:
+    from k3compile.serving.app import create_server, serve
+    from k3compile.source import kind_of, tokenizer_for
+
+    tokenizer = tokenizer_for(source, engine_backend.config)
+    app, engine = create_server(engine_backend, tokenizer, model_name or _default_name(source, kind_of(source)),
+                                api_key, max_batch, max_queue, prefill_chunk, cache_block, prefix_cache_bytes)
+    if host not in (LOCAL, "localhost", "::1") and api_key is None:
+        click.echo(f"warning: listening on {host} without --api-key: anyone who reaches it can use it", err=True)
+
+    def ready(h: str, p: int) -> None:
+        shown = f"[{h}]" if ":" in h else h
+        click.echo(f"serving {app.state.model_name} ({engine_backend.name}) on http://{shown}:{p}/v1", err=True)
+        if not quiet:
+            click.echo(_context_line(engine_backend.config, max_batch), err=True)
+        sys.stderr.flush()
+
+    try:
+        serve(app, host, port, ready)
+    except (Terminated, KeyboardInterrupt):  # uvicorn shut down gracefully, then passed the signal on
+        pass
+    finally:
+        engine.close()
 
 
 def _context_line(cfg, max_batch: int) -> str:
@@ -107,20 +127,3 @@ def _default_name(source: str, kind: str) -> str:
     from k3compile.source import PRESET
 
     return source if kind == PRESET else Path(os.path.abspath(source)).name
-
-
-def _refuse_sharded(source: str) -> None:
-    from k3compile.interface import ExportError
-    from k3compile.manifest import MANIFEST, SHARDED_KIND
-
-    path = Path(source) / MANIFEST
-    if path.is_file():
-        import json
-
-        try:
-            kind = json.loads(path.read_text()).get("kind")
-        except (OSError, ValueError, AttributeError):
-            return  # the backend's own reader reports a broken manifest
-        if kind == SHARDED_KIND:
-            raise ExportError(f"{source}: a sharded artifact; `serve` runs single-device artifacts (llvm, opencl, "
-                              "webgpu) for now, and `k3compile run` runs a sharded one")

@@ -70,7 +70,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
     per_node = world // rdzv.nnodes
-    device_env = _devices(doc["target"], options.devices, per_node)
+    device_env = device_env_of(doc["target"], options.devices, per_node)
     threads = capped(options.threads) if options.threads else default_threads(per_node)
     options = dataclasses.replace(options, threads=threads)
     ifname = interface_of(rdzv)
@@ -84,27 +84,34 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         else:
             join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
         write_options(run_dir, folder.resolve(), options, rdzv)
-        env = {**os.environ, ENV_WORLD: str(world), "GLOO_SOCKET_IFNAME": ifname,
-               "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
         first = rdzv.node_rank * per_node
-        for rank in range(first, first + per_node):
-            procs[rank] = subprocess.Popen([sys.executable, "-m", "k3compile.runtime.worker", str(run_dir)],
-                                           env={**env, ENV_RANK: str(rank), **device_env[rank - first]},
-                                           stdin=subprocess.DEVNULL,
-                                           start_new_session=True)  # Ctrl-C reaches the launcher, which stops them
+        procs.update(spawn(run_dir, range(first, first + per_node), world, threads, ifname, device_env))
         _watch(procs, run_dir)
         if rdzv.node_rank != 0:
             return None
         results = json.loads((run_dir / RESULT).read_text())
     finally:
-        _stop(procs)
+        stop_all(procs)
         shutil.rmtree(run_dir, ignore_errors=True)
         if hosted is not None:
             hosted.close()
     return summarize(folder, results)
 
 
-def _devices(target: str, devices, per_node: int) -> list[dict]:
+def spawn(run_dir: Path, ranks, world: int, threads: int, ifname: str, device_env: list[dict]
+          ) -> dict[int, subprocess.Popen]:
+    """Start `ranks` (this node's, in order) as worker processes of a world of `world` processes reading RUN_DIR."""
+    env = {**os.environ, ENV_WORLD: str(world), "GLOO_SOCKET_IFNAME": ifname,
+           "TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    procs = {}
+    for i, rank in enumerate(ranks):
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "k3compile.runtime.worker", str(run_dir)],
+                                       env={**env, ENV_RANK: str(rank), **device_env[i]}, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)  # Ctrl-C reaches the launcher, which stops them
+    return procs
+
+
+def device_env_of(target: str, devices, per_node: int) -> list[dict]:
     """Each local rank's environment that picks its GPU device (the driver's variable, which its executor reads):
     `devices` lists one index per rank of this node, or one for all; none leaves the variable as it is."""
     if not devices:
@@ -160,7 +167,7 @@ def failure_line(failed: dict[int, int], run_dir: Path) -> str:
     return f"rank {rank} failed: {reasons[rank]}"[:500] + " (the other ranks were stopped)"
 
 
-def _stop(procs: dict[int, subprocess.Popen]) -> None:
+def stop_all(procs: dict[int, subprocess.Popen]) -> None:
     """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all."""
     alive = [p for p in procs.values() if p.poll() is None]
     for p in alive:

@@ -61,6 +61,7 @@ class Options:
     states_dir: str | None = None  # each rank writes its layers' final decode state here (states.rank<r>.npz)
     progress: bool = False  # rank 0 reports each step on stderr
     devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
+    serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
 
 
 class Rank:
@@ -72,25 +73,21 @@ class Rank:
         from k3compile.manifest import read_sharded
 
         self.doc, self.cfg, self.plan = read_sharded(folder, rank)
-        if world != self.plan.mesh.size:
-            raise RuntimeFault(f"rank {rank}: the world has {world} processes, the mesh {self.plan.mesh} needs "
+        ranks = world - 1 if options.serve else world  # a server's world has its controller besides the mesh
+        if ranks != self.plan.mesh.size:
+            raise RuntimeFault(f"rank {rank}: the world has {ranks} ranks, the mesh {self.plan.mesh} needs "
                                f"{self.plan.mesh.size}")
         self.p = self.plan.rank(rank)
         self.entry = self.doc["ranks"][rank]
         self.schedule = self.entry["schedule"]
         self.stats = Stats()
-        mesh = self.plan.mesh
-        # every rank creates every group, in one order (torch.distributed's rule); a group's timeout is its own
         timeout = datetime.timedelta(seconds=options.timeout)
-        self.ep_group = self.replica = None
-        for d in range(mesh.dp):
-            for s in range(mesh.pp):
-                g = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)], timeout=timeout)
-                if (d, s) == (self.p.replica, self.p.stage):
-                    self.ep_group = g
-            g = dist.new_group(self.plan.replica_group(d), timeout=timeout)
-            if d == self.p.replica:
-                self.replica = g
+        ep_groups, replicas = process_groups(self.plan, timeout)
+        self.ep_group = ep_groups[self.p.replica, self.p.stage]
+        self.replica = replicas[self.p.replica]
+        # a server's world also holds its controller (backends/sharded.py): tensors go point to point in a group of
+        # every process, the controller's commands over the default group (kept alive while the server is idle)
+        self.work = dist.new_group(list(range(world)), timeout=timeout) if options.serve else None
         self._load(folder)
 
     def _load(self, folder: Path) -> None:
@@ -171,7 +168,7 @@ class Rank:
 
         for t in tensors:
             self.stats.add("send", t.numel() * t.element_size())
-            self._talk("sending the carry", [to], dist.send, t.contiguous(), dst=to)
+            self._talk("sending the carry", [to], dist.send, t.contiguous(), dst=to, group=self.work)
 
     def recv(self, shapes, src: int):
         import torch
@@ -179,7 +176,7 @@ class Rank:
 
         out = [torch.empty(s, dtype=torch.float32) for s in shapes]
         for t in out:
-            self._talk("receiving the carry", [src], dist.recv, t, src=src)
+            self._talk("receiving the carry", [src], dist.recv, t, src=src, group=self.work)
         return out
 
     def broadcast(self, t, src: int) -> None:
@@ -191,9 +188,9 @@ class Rank:
                    self.plan.replica_group(self.p.replica), dist.broadcast, t, src=src, group=self.replica)
 
     # ---- one step of the schedule ---------------------------------------------------------------------------------
-    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]]):
-        """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
-        rows within the replica. Returns (the replica's next tokens, present)."""
+    def forward(self, ids, mask, past: list) -> tuple[list, int]:
+        """The graph's part of a step (recv the carry, run the layers with their collectives, send the carry on):
+        (outputs, head), the first `head` of them the logits or the carry, the rest the present state."""
         import torch
 
         b, t = ids.shape
@@ -211,11 +208,19 @@ class Rank:
         outs = self.run_graph(feeds, head)
         if self._calls:
             raise RuntimeFault(f"rank {self.p.rank}: the library skipped collectives of its schedule {self._calls}")
-        nxt = torch.empty(rows[-1][1], dtype=torch.int64)
-        sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s in self.schedule:
             if s["op"] == "send":
                 self.send(outs[:head], s["to"])
+        return outs, head
+
+    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]]):
+        """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
+        rows within the replica. Returns (the replica's next tokens, present)."""
+        import torch
+
+        outs, head = self.forward(ids, mask, past)
+        nxt = torch.empty(rows[-1][1], dtype=torch.int64)
+        sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s, (lo, hi, padded) in zip(sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
             if self.p.rank == s["from"]:
@@ -223,6 +228,27 @@ class Rank:
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, outs[head:]
+
+
+def process_groups(plan, timeout) -> tuple[dict, dict]:
+    """Every group of the mesh, made in one order by every process of the world (torch.distributed's rule: a
+    server's controller makes them too): ({(replica, stage): its expert-parallel group}, {replica: its group})."""
+    import torch.distributed as dist
+
+    mesh, ep, replicas = plan.mesh, {}, {}
+    for d in range(mesh.dp):
+        for s in range(mesh.pp):
+            ep[d, s] = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)], timeout=timeout)
+        replicas[d] = dist.new_group(plan.replica_group(d), timeout=timeout)
+    return ep, replicas
+
+
+def own_rows(t, lo: int, hi: int, padded: int):
+    """Rows [lo, hi) of t, padded to `padded` by repeating the last (the group's static row count: rank_rows)."""
+    import torch
+
+    part = t[lo:hi]
+    return torch.cat([part, part[-1:].expand(padded - len(part), *part.shape[1:])]) if len(part) < padded else part
 
 
 def _tvm(x):
@@ -268,9 +294,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
         def mine(t):
             """This rank's rows of a replica tensor, padded to the group's count by repeating its last row."""
-            part = t[own_lo - first:own_hi - first]
-            return torch.cat([part, part[-1:].expand(padded - len(part), *part.shape[1:])]) if len(part) < padded \
-                else part
+            return own_rows(t, own_lo - first, own_hi - first, padded)
 
         prompts = options.prompts[first:end]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -308,6 +332,98 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                   "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
         return gather_json(result, world)  # after decode: not counted
     finally:
+        dist.destroy_process_group()
+
+
+# ---- a server's rank (docs/architecture.md, "Serving a sharded artifact") ------------------------------------------
+# The controller (backends/sharded.py, the world's last rank) broadcasts a header of HEADER int64s over the world's
+# default group: (command, slot, slot out, rows, tokens, past length); then, by command:
+#   STEP: ids [rows, tokens] and mask [rows, past + tokens] broadcast; every rank runs its part of the step on the
+#         state in `slot` (-1: an empty state) and keeps the present in `slot out`; each token source sends the
+#         controller the last position's logits of its own rows.
+#   PUT:  the controller sends every rank its rows of a state (its layers, padded as own_rows pads), kept in `slot`.
+#   GET:  every rank that holds rows (holds_rows) sends the controller its own rows of `slot`'s state.
+#   FREE: `slot` is dropped.  NOOP: nothing (the controller's keep-alive).  STOP: the rank exits 0.
+# Rows are the physical batch the controller pads to (at least one row per token source of every replica); a rank's
+# part is plan.rank_rows(rows, rank). Nothing crosses but tensors of shapes both sides derive from the header.
+HEADER = 6
+STOP, NOOP, FREE, PUT, GET, STEP = range(6)
+EMPTY = -1  # the slot of a state no token has entered
+READY, GO = "k3compile/serve/ready/", "k3compile/serve/go"  # the store's keys of the start
+START_S = 1800.0  # seconds loading every rank's library may take before the controller gives up
+
+
+def holds_rows(plan, r: int) -> bool:
+    """Whether rank r's rows of the state are its own: every shard with all-to-all dispatch, else each stage's first
+    (the others of its expert-parallel group hold the same rows)."""
+    return plan.dispatch == "all_to_all" or plan.mesh.coords(r)[2] == 0
+
+
+def state_shapes(cfg, layers: tuple[int, int], rows: int, length: int) -> list[tuple[int, ...]]:
+    """The shapes of layers [a, b)'s decode state (flat, two tensors a layer) for `rows` rows after `length` tokens."""
+    from k3compile.interface import init_past
+
+    shapes = []
+    for i, pair in enumerate(init_past(cfg, 1)[layers[0]:layers[1]], start=layers[0]):
+        for t in pair:
+            shape = [rows, *t.shape[1:]]
+            if cfg.is_mla(i):
+                shape[1] = length
+            shapes.append(tuple(shape))
+    return shapes
+
+
+def serve_rank(folder: str | Path, options: Options, rank: int, world: int, store) -> None:
+    """This rank in a server's world until the controller says STOP (the protocol above)."""
+    import torch
+    import torch.distributed as dist
+
+    from k3compile.ops.collectives import set_collective
+    from k3compile.threads import use_threads
+
+    if options.threads:
+        use_threads(options.threads)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=options.timeout))
+    try:
+        me = Rank(Path(folder), rank, world, options)
+        cfg, plan, p, ctl = me.cfg, me.plan, me.p, world - 1
+        store.set(f"{READY}{rank}", "1")  # loaded; the controller says go when every rank is (loading takes long)
+        store.wait([GO], datetime.timedelta(seconds=START_S))
+        set_collective(me.collective)
+        slots: dict[int, list] = {}
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        sources = set(plan.token_sources(p.replica))
+        with torch.no_grad():
+            while True:
+                me._talk("waiting for the controller", [ctl], dist.broadcast, header, src=ctl)
+                cmd, slot, out, rows, tokens, length = (int(x) for x in header)
+                if cmd == STOP:
+                    return
+                if cmd in (NOOP, FREE):
+                    slots.pop(slot, None)
+                    continue
+                lo, hi, padded = plan.rank_rows(rows, rank)
+                if cmd == PUT:
+                    slots[slot] = me.recv(state_shapes(cfg, p.layers, padded, length), ctl)
+                elif cmd == GET:
+                    if holds_rows(plan, rank):
+                        me.send([me.host(t)[:hi - lo] for t in slots[slot]], ctl)
+                elif cmd == STEP:
+                    ids = torch.empty(rows, tokens, dtype=torch.int64)
+                    mask = torch.empty(rows, length + tokens, dtype=torch.int64)
+                    for t in (ids, mask):
+                        me._talk("receiving a step", [ctl], dist.broadcast, t, src=ctl)
+                    past = slots[slot] if slot != EMPTY else [
+                        torch.zeros(s) for s in state_shapes(cfg, p.layers, padded, 0)]
+                    outs, head = me.forward(own_rows(ids, lo, hi, padded), own_rows(mask, lo, hi, padded), past)
+                    slots[out] = outs[head:]
+                    if rank in sources:
+                        me.send([outs[0][:hi - lo, -1].float()], ctl)
+                else:
+                    raise RuntimeFault(f"rank {rank}: unknown command {cmd} from the controller")
+    finally:
+        set_collective(None)
         dist.destroy_process_group()
 
 
@@ -382,8 +498,10 @@ def main(argv: list[str] | None = None) -> None:
         options = Options(**doc["options"])
         host, port = doc["rendezvous"]
         store = join(Rendezvous(host, port), options.timeout)
-        results = decode(doc["folder"], options, rank, world, store)
-        if rank == 0:
+        if options.serve:
+            serve_rank(doc["folder"], options, rank, world, store)
+        results = None if options.serve else decode(doc["folder"], options, rank, world, store)
+        if rank == 0 and results is not None:
             tmp = run_dir / (RESULT + ".tmp")
             tmp.write_text(json.dumps(results))
             os.replace(tmp, run_dir / RESULT)

@@ -160,6 +160,9 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        failure = getattr(engine.backend, "failure", None)  # a sharded artifact whose rank died (backends/sharded.py)
+        if failure is not None:
+            return JSONResponse({"status": "failed", "model": model_name, "error": failure}, status_code=503)
         return {"status": "ok", "model": model_name, "running": engine.running, "queued": engine.queue_depth}
 
     @app.get("/metrics")

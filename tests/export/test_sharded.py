@@ -528,3 +528,146 @@ def test_a_gpu_target_without_an_executor_is_refused_for_a_mesh(tmp_path):
     res = cli("export", "k3-tiny", "--mesh", "ep=2", "--target", "metal", "-o", str(tmp_path / "out"))
     assert res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr
     assert "no executor runs its ranks here" in res.stderr and not (tmp_path / "out").exists()
+
+
+# ---- serving a sharded OUT (backends/sharded.py; docs/architecture.md, "Serving a sharded artifact") ---------------
+
+def _engine_tokens(backend, prompts, new, cache=None, max_batch=2) -> list[list[int]]:
+    """Every prompt submitted at once to a serving engine over `backend` (greedy, `new` tokens, EOS ignored), rows
+    joining and leaving its batch of `max_batch`."""
+    import threading
+
+    from k3compile.serving.engine import Engine, Request, Sampling
+
+    requests, errors = [], []
+    with Engine(backend, None, max_batch=max_batch, cache=cache) as engine:
+        finished = []
+        for p in prompts:
+            done = threading.Event()
+            finished.append(done)
+
+            def emit(event, done=done):
+                if event.kind == "error":
+                    errors.append(event.message)
+                if event.kind in ("done", "error"):
+                    done.set()
+
+            requests.append(Request(p, Sampling(max_tokens=new, temperature=0.0, ignore_eos=True), emit))
+            engine.submit(requests[-1])
+        assert all(done.wait(300) for done in finished)
+    assert not errors, errors
+    return [r.tokens for r in requests]
+
+
+@pytest.mark.parametrize("model,mesh,dispatch", [("k3-tiny", "ep=3", A2A), ("k3-tiny", "ep=2,dp=2", "all-reduce"),
+                                                 ("kimi-linear", "ep=2,pp=2", "all-reduce")])
+def test_the_serving_engine_runs_a_sharded_artifact(model, mesh, dispatch, sharded, references):
+    """The ranks as one backend: the state after a prefill of the padded batch, fetched from the ranks, equals the
+    single-process build's (STATE_ATOL: the expert slices' sums in another order), and sent back it gives the logits
+    the ranks' own copy gives (the same computation, bit for bit); through the engine (a batch of 2 for 3 prompts
+    twice, the second time from the prefix cache) every request gets eager's greedy tokens. Uneven all-to-all slices
+    and data-parallel replicas need a padded batch (one row per token source) when one request runs alone."""
+    from k3compile.backends.sharded import RankState, ShardedBackend
+    from k3compile.prefix_cache import PrefixCache
+
+    eager, tvm = references[model]
+    want = [generate(eager, [p], 12).tokens[0] for p in PROMPTS]
+    backend = ShardedBackend(sharded[(model, mesh, dispatch)], threads=1, timeout=3)
+    try:
+        ids, mask = left_pad(PROMPTS, eager.config.pad_token_id or 0)
+        logits, past = backend.step_last(ids, mask, backend.init_past(len(PROMPTS)))
+        assert isinstance(past, RankState)
+        ref_logits, ref_past = tvm.step(ids, mask, tvm.init_past(len(PROMPTS)))
+        torch.testing.assert_close(logits[:, -1], ref_logits[:, -1], rtol=0, atol=STATE_ATOL)
+        host = backend.host_past(past)
+        for (a, b), (ra, rb) in zip(host, ref_past):
+            torch.testing.assert_close(a, ra, rtol=0, atol=STATE_ATOL)
+            torch.testing.assert_close(b, rb, rtol=0, atol=STATE_ATOL)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        step_mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        on_ranks, _ = backend.step_last(nxt, step_mask, past)
+        from_host, _ = backend.step_last(nxt, step_mask, host)
+        assert torch.equal(on_ranks, from_host)
+        time.sleep(4)  # past the 3 s timeout: the keep-alive holds the idle ranks
+        cache = PrefixCache(backend.config, 2, 1 << 30)
+        assert _engine_tokens(backend, PROMPTS * 2, 12, cache) == want * 2
+        assert cache.stats.hits > 0
+    finally:
+        backend.close()
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tmp_path):
+    """`k3compile serve OUT` on export --mesh's folder (stages and expert slices): the export carried the preset's
+    tokenizer (hashed in its manifest); chat and completions, streamed and not, give eager's greedy tokens; three
+    concurrent streams through a batch of two each get their own. A rank that dies: requests get an error naming it,
+    /health answers 503, and SIGTERM still ends the server with 0 and no worker left."""
+    import asyncio
+
+    import httpx
+    import openai
+    import psutil
+
+    from k3compile.serving.bench import start_server
+
+    folder = sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert sorted(manifest["tokenizer"]) == ["tokenizer.json", "tokenizer_config.json"]
+    eager, _ = references["k3-tiny"]
+    res = cli("generate", "k3-tiny", "--backend", "eager", "--chat", "--prompt", "hello", "--max-new-tokens", "12",
+              "--json", "--quiet", timeout=300)
+    assert res.returncode == 0, res.stderr
+    want_chat = json.loads(res.stdout)["tokens"][0]
+    want = [generate(eager, [p], 10, eos_token_id=eager.config.eos_token_id).tokens[0] for p in PROMPTS]
+
+    proc, url = start_server([str(folder), "--max-batch", "2", "--model-name", "kimi-k3", "--threads", "1"],
+                             timeout=180)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": "hello"}],
+                                              max_tokens=12, temperature=0)
+        assert list(chat.choices[0].model_extra["token_ids"]) == want_chat
+        streamed = [t for chunk in client.chat.completions.create(
+            model="kimi-k3", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0,
+            stream=True) for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+        assert streamed == want_chat
+
+        async def one(aclient, prompt):
+            stream = await aclient.completions.create(model="kimi-k3", prompt=prompt, max_tokens=10, temperature=0,
+                                                      stream=True)
+            return [t async for chunk in stream for c in chunk.choices for t in (c.model_extra.get("token_ids")
+                                                                                 or [])]
+
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            return await asyncio.gather(*(one(aclient, p) for p in PROMPTS))
+
+        assert asyncio.run(main()) == want
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) == 4
+        rank = next(w for w in workers if "k3compile.runtime.worker" in " ".join(w.cmdline()))
+        rank.kill()
+        rank.wait(30)
+        with pytest.raises(openai.APIError) as err:
+            client.completions.create(model="kimi-k3", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert "killed by SIGKILL" in str(err.value)
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, "".join(proc.log)[-2000:]
+    time.sleep(1)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_serve_refuses_a_backend_for_a_sharded_artifact(sharded):
+    res = cli("serve", str(sharded[("k3-tiny", "ep=2", "all-reduce")]), "--backend", "eager", timeout=120)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")] == [
+        f"Error: {sharded[('k3-tiny', 'ep=2', 'all-reduce')]}: a sharded artifact runs on its ranks; --backend eager "
+        "does not apply"]

@@ -1,0 +1,308 @@
+"""A sharded OUT as one backend (docs/architecture.md, "Serving a sharded artifact"): what `k3compile serve` runs
+when SOURCE is `export --mesh`'s folder.
+
+The backend is the controller of its ranks: it checks the whole artifact (manifest.read_sharded), hosts a store on
+127.0.0.1, starts one worker per rank on this machine (runtime/launch.py's `spawn`, the workers in serve mode:
+runtime/worker.py's `serve_rank`) and joins their gloo world as its last rank. Every step it broadcasts a command
+header and the batch's ids and mask; the ranks run their layers as `k3compile run` does and keep the present state
+in a numbered slot, so a decode step moves only the tokens in and each row's last logits out (the engine samples
+them per request). The state comes to this process only when the engine asks for it on the host (a row joining or
+leaving the batch, a prefix-cache snapshot: `host_past`) and goes back with the next step (PUT), as a GPU executor's
+state does. A state held by the ranks is a `RankState`; when the engine drops one, its slot is freed with the next
+command.
+
+The batch the ranks see is padded to at least one row per token source of every replica (a mesh with data-parallel
+replicas or all-to-all dispatch splits rows between ranks); the padding rows repeat the last row and their logits
+are never read. While the engine is idle a keep-alive command goes out every third of the timeout, so a rank's wait
+is bounded by the timeout and a rank that died is noticed. One controller per process (it owns torch.distributed's
+default group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from k3compile.interface import Past, init_past, past_length
+from k3compile.runtime.worker import (
+    DEFAULT_TIMEOUT,
+    EMPTY,
+    FREE,
+    GET,
+    GO,
+    HEADER,
+    NOOP,
+    PUT,
+    READY,
+    START_S,
+    STEP,
+    STOP,
+    Options,
+    RuntimeFault,
+    holds_rows,
+    own_rows,
+    process_groups,
+    state_shapes,
+    write_options,
+)
+
+
+class RankState:
+    """A decode state the ranks hold in `slot`, for `rows` rows after `length` tokens."""
+
+    def __init__(self, backend: ShardedBackend, slot: int, rows: int, length: int) -> None:
+        self.backend, self.slot, self.rows, self.length = backend, slot, rows, length
+        self.host: Past | None = None  # fetched once (host_past)
+        if slot != EMPTY:
+            weakref.finalize(self, backend._freed.append, slot)
+
+
+class ShardedBackend:
+    def __init__(self, folder: str | Path, threads: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 devices: tuple[int, ...] = (), progress: Callable[[str], None] | None = None) -> None:
+        import torch.distributed as dist
+
+        from k3compile.manifest import read_sharded
+        from k3compile.runtime.launch import default_threads, device_env_of, spawn
+        from k3compile.runtime.rendezvous import Rendezvous, host_store, interface_of
+        from k3compile.threads import capped
+
+        step = progress or (lambda msg: None)
+        folder = Path(folder)
+        if dist.is_initialized():
+            raise RuntimeFault("this process already belongs to a torch.distributed world; one sharded backend a "
+                               "process")
+        step("checking the artifact")
+        doc, self.config, self.plan = read_sharded(folder)
+        mesh = self.plan.mesh
+        self.ctl = mesh.size  # this process's rank: the world's last
+        self.name = f"{doc['target']} over {mesh.size} ranks (mesh {mesh}, {self.plan.dispatch} dispatch)"
+        self.timeout = timeout
+        # the fewest rows every rank has one of: every replica's token sources (runtime/launch.py's rule)
+        self.min_rows = mesh.dp * len(self.plan.token_sources(0))
+        self._lock = threading.Lock()
+        self._freed: deque[int] = deque()
+        self._next_slot = 0
+        self.failure: str | None = None
+        self._last = time.monotonic()
+        self._closed = False
+        threads = capped(threads) if threads else default_threads(mesh.size)
+        self._run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
+        self._procs: dict = {}
+        self._hosted = None
+        try:
+            rdzv = Rendezvous()
+            self._hosted = host_store(rdzv, mesh.size + 1, timeout)
+            write_options(self._run_dir, folder.resolve(),
+                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True),
+                          self._hosted.rendezvous)
+            step(f"starting {mesh.size} ranks")
+            self._procs = spawn(self._run_dir, range(mesh.size), mesh.size + 1, threads,
+                                interface_of(self._hosted.rendezvous),
+                                device_env_of(doc["target"], devices, mesh.size))
+            delta = datetime.timedelta(seconds=timeout)
+            self._joined(lambda: dist.init_process_group("gloo", store=self._hosted.store, rank=self.ctl,
+                                                         world_size=mesh.size + 1, timeout=delta))
+            self._joined(lambda: process_groups(self.plan, delta))
+            self._work = self._joined(lambda: dist.new_group(list(range(mesh.size + 1)), timeout=delta))
+            step("loading the ranks' libraries")
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self._keeper = threading.Thread(target=self._keep_alive, name="k3compile-keepalive", daemon=True)
+        self._keeper.start()
+
+    # ---- the Backend protocol (backends/base.py) -------------------------------------------------------------------
+
+    def init_past(self, batch: int) -> RankState:
+        return RankState(self, EMPTY, batch, 0)
+
+    def step(self, input_ids: Tensor, attention_mask: Tensor, past) -> tuple[Tensor, RankState]:
+        """As step_last: the ranks send each row's last logits only ([B, 1, V])."""
+        return self.step_last(input_ids, attention_mask, past)
+
+    def step_last(self, input_ids: Tensor, attention_mask: Tensor, past) -> tuple[Tensor, RankState]:
+        import torch.distributed as dist
+
+        rows, tokens = input_ids.shape
+        with self._lock:
+            self._check()
+            self._flush()
+            if isinstance(past, RankState):
+                if past.backend is not self or past.rows != rows:
+                    raise ValueError(f"a state of {past.rows} rows for a batch of {rows}")
+                state, length = past, past.length
+            else:
+                length = past_length(self.config, past)
+                state = self._put(past, rows, length)
+            if attention_mask.shape != (rows, length + tokens):
+                raise ValueError(f"attention mask {tuple(attention_mask.shape)} for {rows} rows of {length} + "
+                                 f"{tokens} tokens")
+            padded = max(rows, self.min_rows)
+            out = self._slot()
+            self._command(STEP, state.slot, out, padded, tokens, length)
+            for t in (input_ids, attention_mask):
+                self._talk(dist.broadcast, own_rows(t.to(torch.int64), 0, rows, padded).contiguous(), src=self.ctl)
+            logits = torch.empty(padded, self.config.vocab_size)
+            for d in range(self.plan.mesh.dp):
+                for r in self.plan.token_sources(d):
+                    lo, hi, _ = self.plan.rank_rows(padded, r)
+                    self._talk(dist.recv, logits[lo:hi], src=r, group=self._work)
+            self._last = time.monotonic()
+            return logits[:rows, None], RankState(self, out, rows, length + tokens)
+
+    def host_past(self, past) -> Past:
+        """The state in this process's memory (fetched from the ranks once)."""
+        import torch.distributed as dist
+
+        if not isinstance(past, RankState):
+            return past
+        if past.host is not None:
+            return past.host
+        if past.slot == EMPTY:
+            past.host = init_past(self.config, past.rows)
+            return past.host
+        padded = max(past.rows, self.min_rows)
+        full = [torch.empty(s) for s in state_shapes(self.config, (0, self.config.num_hidden_layers), padded,
+                                                      past.length)]
+        with self._lock:
+            self._check()
+            self._flush()
+            self._command(GET, past.slot, 0, padded, 0, past.length)
+            for r in range(self.plan.mesh.size):
+                if holds_rows(self.plan, r):
+                    p = self.plan.rank(r)
+                    lo, hi, _ = self.plan.rank_rows(padded, r)
+                    for t in full[2 * p.layers[0]:2 * p.layers[1]]:
+                        self._talk(dist.recv, t[lo:hi], src=r, group=self._work)
+            self._last = time.monotonic()
+        past.host = [(full[2 * i][:past.rows], full[2 * i + 1][:past.rows])
+                     for i in range(self.config.num_hidden_layers)]
+        return past.host
+
+    def close(self) -> None:
+        """STOP the ranks, leave the world, end the workers (SIGTERM, then SIGKILL) and remove the run folder."""
+        import torch.distributed as dist
+
+        from k3compile.runtime.launch import stop_all
+
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if dist.is_initialized():
+                if self.failure is None:
+                    try:
+                        self._command(STOP, 0, 0, 0, 0, 0)
+                    except RuntimeFault:
+                        pass
+                dist.destroy_process_group()
+            stop_all(self._procs)
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            if self._hosted is not None:
+                self._hosted.close()
+
+    # ---- the protocol's side here (runtime/worker.py, "a server's rank") -------------------------------------------
+
+    def _put(self, past: Past, rows: int, length: int) -> RankState:
+        """Send every rank its rows of a host state (padded as the ranks pad them); a RankState for it."""
+        import torch.distributed as dist
+
+        padded = max(rows, self.min_rows)
+        flat = [own_rows(t, 0, rows, padded) for pair in past for t in pair]
+        state = RankState(self, self._slot(), rows, length)
+        self._command(PUT, state.slot, 0, padded, 0, length)
+        for r in range(self.plan.mesh.size):
+            p = self.plan.rank(r)
+            lo, hi, n = self.plan.rank_rows(padded, r)
+            for t in flat[2 * p.layers[0]:2 * p.layers[1]]:
+                self._talk(dist.send, own_rows(t, lo, hi, n).float().contiguous(), dst=r, group=self._work)
+        return state
+
+    def _slot(self) -> int:
+        self._next_slot += 1
+        return self._next_slot
+
+    def _flush(self) -> None:
+        while self._freed:
+            self._command(FREE, self._freed.popleft(), 0, 0, 0, 0)
+
+    def _command(self, *fields: int) -> None:
+        import torch.distributed as dist
+
+        header = torch.tensor(fields + (0,) * (HEADER - len(fields)), dtype=torch.int64)
+        self._talk(dist.broadcast, header, src=self.ctl)
+
+    def _talk(self, fn, *args, **kw):
+        """A collective with the ranks; a failure (a dead rank, a timeout) names the rank that failed first, and the
+        backend refuses every later step with that line."""
+        try:
+            return fn(*args, **kw)
+        except (RuntimeError, OSError) as e:
+            self.failure = self._cause() or f"the ranks stopped answering ({str(e).strip()[:200]})"
+            raise RuntimeFault(self.failure) from None
+
+    def _joined(self, fn):
+        """A step of joining the ranks' world; a rank that exits meanwhile is named instead of a timeout."""
+        try:
+            return fn()
+        except (RuntimeError, OSError, ValueError) as e:
+            raise RuntimeFault(self._cause() or f"the ranks did not start ({str(e).strip()[:200]})") from None
+
+    def _wait_ready(self) -> None:
+        """Until every rank has loaded (its key in the store), then GO; a rank that exits meanwhile is named."""
+        keys = [f"{READY}{r}" for r in range(self.plan.mesh.size)]
+        deadline = time.monotonic() + START_S
+        while not self._hosted.store.check(keys):
+            if any(p.poll() is not None for p in self._procs.values()):
+                raise RuntimeFault(self._cause() or "a rank exited while loading")
+            if time.monotonic() > deadline:
+                raise RuntimeFault(f"the ranks did not load their libraries in {START_S:.0f} s")
+            time.sleep(0.05)
+        self._hosted.store.set(GO, "1")
+        self._last = time.monotonic()
+
+    def _cause(self) -> str | None:
+        from k3compile.runtime.launch import SETTLE_S, failure_line
+
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            failed = {r: p.poll() for r, p in self._procs.items() if p.poll() not in (None, 0)}
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return failure_line(failed, self._run_dir) if failed else None
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeFault("the sharded backend is closed")
+        if self.failure is not None:
+            raise RuntimeFault(self.failure)
+
+    def _keep_alive(self) -> None:
+        """While the engine is idle, a NOOP every third of the timeout (the ranks wait at most the timeout)."""
+        period = self.timeout / 3
+        while not self._closed and self.failure is None:
+            time.sleep(min(period, 1.0))
+            if time.monotonic() - self._last < period:
+                continue
+            with self._lock:
+                if self._closed or self.failure is not None:
+                    return
+                try:
+                    self._flush()
+                    self._command(NOOP, 0, 0, 0, 0, 0)
+                except RuntimeFault:
+                    return
+                self._last = time.monotonic()
