@@ -94,16 +94,20 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
         with status(f"loading {source}", quiet) as step:
             engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
                                   progress=step)
-        cache = None
-        if cache_block is not None:
-            from k3compile.prefix_cache import PrefixCache
+        try:
+            cache = None
+            if cache_block is not None:
+                from k3compile.prefix_cache import PrefixCache
 
-            cache = PrefixCache(engine.config, cache_block)
-        bar, cb = progress("generating", quiet)
-        with bar or nullcontext():
-            result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                         seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb,
-                         prefill_chunk=prefill_chunk, cache=cache)
+                cache = PrefixCache(engine.config, cache_block)
+            bar, cb = progress("generating", quiet)
+            with bar or nullcontext():
+                result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb,
+                             prefill_chunk=prefill_chunk, cache=cache)
+        finally:
+            if hasattr(engine, "close"):  # a sharded OUT's ranks (backends/sharded.py)
+                engine.close()
     doc = {
         "source": source, "backend": engine.name, "prompts": prompts, "tokens": result.tokens,
         **({"texts": [tokenizer.decode(t) for t in result.tokens]} if tokenizer is not None else {}),

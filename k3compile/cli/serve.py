@@ -53,26 +53,15 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
             prefix_cache_bytes, backend, device, weight_seed, experts, threads, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
     (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
-    from k3compile.interface import ExportError
-    from k3compile.manifest import is_sharded
     from k3compile.presets import load_config
     from k3compile.threads import default_threads, use_threads
 
     with user_errors():
-        sharded = is_sharded(source)
-        if sharded and backend != "auto":
-            raise ExportError(f"{source}: a sharded artifact runs on its ranks; --backend {backend} does not apply")
         cfg = load_config(source)
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
-            if sharded:  # its ranks, started here (backends/sharded.py)
-                from k3compile.backends.sharded import ShardedBackend
-
-                engine_backend = ShardedBackend(source, threads, devices=() if device is None else (device,),
-                                                progress=step)
-            else:
-                engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
-                                              device=device, progress=step)
+            engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
+                                          device=device, progress=step)
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
                    cache_block, prefix_cache_bytes, quiet)

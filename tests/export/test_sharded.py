@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -671,3 +672,19 @@ def test_serve_refuses_a_backend_for_a_sharded_artifact(sharded):
     assert [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")] == [
         f"Error: {sharded[('k3-tiny', 'ep=2', 'all-reduce')]}: a sharded artifact runs on its ranks; --backend eager "
         "does not apply"]
+
+
+def test_generate_runs_a_sharded_artifact_on_text(sharded):
+    """`generate OUT --prompt TEXT` on a sharded OUT (its ranks started and ended by the command, the tokenizer the
+    export carried): eager's tokens and text, through the prefix cache too; no run folder left behind."""
+    folder = str(sharded[("k3-tiny", "ep=3", A2A)])
+    args = ["--prompt", "hello world", "--prompt", "hi", "--max-new-tokens", "8", "--json", "--quiet"]
+    want = cli("generate", "k3-tiny", "--backend", "eager", *args, timeout=300)
+    assert want.returncode == 0, want.stderr
+    before = set(Path(tempfile.gettempdir()).glob("k3compile-serve-*"))
+    for extra in ([], ["--cache-block", "2"]):
+        got = cli("generate", folder, *args, *extra, timeout=300)
+        assert got.returncode == 0, got.stderr[-2000:]
+        assert {k: json.loads(got.stdout)[k] for k in ("tokens", "texts")} == \
+            {k: json.loads(want.stdout)[k] for k in ("tokens", "texts")}
+    assert set(Path(tempfile.gettempdir()).glob("k3compile-serve-*")) == before
