@@ -20,7 +20,9 @@ default group).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import shutil
 import tempfile
 import threading
@@ -55,6 +57,21 @@ from k3compile.runtime.worker import (
     state_shapes,
     write_options,
 )
+
+
+@contextlib.contextmanager
+def _gloo_interface(name: str):
+    """GLOO_SOCKET_IFNAME set to `name` while this process's gloo groups are made (each reads it then; the ranks get
+    it from runtime/launch.py's environment): gloo listens on that interface, not on what the host name resolves to."""
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
 class RankState:
@@ -111,10 +128,11 @@ class ShardedBackend:
                                 interface_of(self._hosted.rendezvous),
                                 device_env_of(doc["target"], devices, mesh.size))
             delta = datetime.timedelta(seconds=timeout)
-            self._joined(lambda: dist.init_process_group("gloo", store=self._hosted.store, rank=self.ctl,
-                                                         world_size=mesh.size + 1, timeout=delta))
-            self._joined(lambda: process_groups(self.plan, delta))
-            self._work = self._joined(lambda: dist.new_group(list(range(mesh.size + 1)), timeout=delta))
+            with _gloo_interface(interface_of(self._hosted.rendezvous)):  # as the ranks': loopback, nothing beyond
+                self._joined(lambda: dist.init_process_group("gloo", store=self._hosted.store, rank=self.ctl,
+                                                             world_size=mesh.size + 1, timeout=delta))
+                self._joined(lambda: process_groups(self.plan, delta))
+                self._work = self._joined(lambda: dist.new_group(list(range(mesh.size + 1)), timeout=delta))
             step("loading the ranks' libraries")
             self._wait_ready()
         except BaseException:

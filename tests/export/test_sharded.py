@@ -600,12 +600,14 @@ def test_the_serving_engine_runs_a_sharded_artifact(model, mesh, dispatch, shard
     assert not dist.is_initialized()
 
 
-def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tmp_path):
+def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tmp_path, monkeypatch):
     """`k3compile serve OUT` on export --mesh's folder (stages and expert slices): the export carried the preset's
     tokenizer (hashed in its manifest); chat and completions, streamed and not, give eager's greedy tokens; three
-    concurrent streams through a batch of two each get their own. A rank that dies: requests get an error naming it,
-    /health answers 503, and SIGTERM still ends the server with 0 and no worker left."""
+    concurrent streams through a batch of two each get their own; every socket the server and its ranks listen on is
+    on 127.0.0.1. A rank that dies: requests get an error naming it, /health answers 503, and SIGTERM still ends the
+    server with 0 and no worker left."""
     import asyncio
+    import socket
 
     import httpx
     import openai
@@ -623,8 +625,15 @@ def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tm
     want_chat = json.loads(res.stdout)["tokens"][0]
     want = [generate(eager, [p], 10, eos_token_id=eager.config.eos_token_id).tokens[0] for p in PROMPTS]
 
+    # a GLOO_SOCKET_IFNAME naming this machine's other interface, in the server's environment: its own gloo
+    # listeners must still be on 127.0.0.1 (they were on that interface's address before the server set its own)
+    other = next((name for name, addrs in psutil.net_if_addrs().items() if any(
+        a.family == socket.AF_INET and not a.address.startswith("127.") for a in addrs)), None)
+    if other is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", other)
     proc, url = start_server([str(folder), "--max-batch", "2", "--model-name", "kimi-k3", "--threads", "1"],
                              timeout=180)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         chat = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": "hello"}],
@@ -650,6 +659,9 @@ def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tm
 
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert len(workers) == 4
+        listening = [c.laddr for p in [psutil.Process(proc.pid), *workers] for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]  # HTTP, the store, every process's gloo listeners
+        assert len(listening) >= 7 and {a.ip for a in listening} == {"127.0.0.1"}, listening
         rank = next(w for w in workers if "k3compile.runtime.worker" in " ".join(w.cmdline()))
         rank.kill()
         rank.wait(30)
