@@ -65,6 +65,7 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights): from token ids, or from
     text (--prompt, --chat, --messages) through SOURCE's tokenizer."""
     from k3compile.generate import generate as run
+    from k3compile.manifest import is_sharded
     from k3compile.source import ARTIFACT, EXPORT, kind_of
     from k3compile.threads import default_threads, use_threads
 
@@ -81,7 +82,7 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
             tokenizer, prompts = _encode_prompts(source, texts, chat, messages_file)
     else:
         prompts = [parse_ids(p) for p in prompt_ids]
-    built = kind_of(source) in (EXPORT, ARTIFACT)
+    built = kind_of(source) in (EXPORT, ARTIFACT) or is_sharded(source)
     if backend != "eager" and built:
         for name in ("experts", "weight_seed"):
             if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:

@@ -10,7 +10,8 @@ import click
 
 from k3compile.artifact import Terminated
 from k3compile.backends.choose import KINDS, open_backend
-from k3compile.cli.common import SEED, THREADS_HELP, IntRange, status, user_errors
+from k3compile.cli.common import SEED, THREADS_HELP, FiniteFloat, IntRange, status, user_errors
+from k3compile.cli.run import MAX_TIMEOUT
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
 from k3compile.serving.app import DEFAULT_CACHE_BYTES
@@ -48,9 +49,12 @@ LOCAL = "127.0.0.1"
               help="Seed of the random weights when SOURCE is a preset or a config.json.")
 @click.option("--experts", type=click.Choice(EXPERT_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
+@click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
+              help="A sharded OUT: seconds a collective waits for a rank (as `run --timeout`); a step, a long "
+                   "prompt's chunk included, must finish within it.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
-            prefix_cache_bytes, backend, device, weight_seed, experts, threads, quiet):
+            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
     (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
     from k3compile.presets import load_config
@@ -61,7 +65,7 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
             engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
-                                          device=device, progress=step)
+                                          device=device, progress=step, timeout=timeout)
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
                    cache_block, prefix_cache_bytes, quiet)

@@ -631,8 +631,8 @@ def test_serve_a_sharded_artifact_with_the_openai_client(sharded, references, tm
         a.family == socket.AF_INET and not a.address.startswith("127.") for a in addrs)), None)
     if other is not None:
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", other)
-    proc, url = start_server([str(folder), "--max-batch", "2", "--model-name", "kimi-k3", "--threads", "1"],
-                             timeout=180)
+    proc, url = start_server([str(folder), "--max-batch", "2", "--model-name", "kimi-k3", "--threads", "1",
+                              "--timeout", "30"], timeout=180)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
