@@ -104,11 +104,13 @@ def _serve(engine_backend, source, host, port, api_key, model_name, max_batch, m
 
 def _context_line(cfg, max_batch: int) -> str:
     """The longest context this machine's free memory holds now: the MLA cache grows per token (fp32 rows of
-    kv_lora_rank + qk_rope_head_dim per MLA layer), the KDA state does not."""
+    kv_lora_rank + qk_rope_head_dim per MLA layer, as `plan` prices it: sharding/cost.py), the KDA state does not."""
     import psutil
 
-    per_token = sum(cfg.kv_lora_rank + cfg.qk_rope_head_dim for i in range(cfg.num_hidden_layers)
-                    if cfg.is_mla(i)) * 4
+    from k3compile.sharding import Mesh, make_plan
+    from k3compile.sharding.cost import rank_state
+
+    per_token = rank_state(cfg, make_plan(cfg, Mesh()).rank(0), 1, 1, 4)["mla_cache"]
     if not per_token:
         return f"context {cfg.max_position_embeddings:,} tokens (no MLA layer: the state does not grow)"
     holds = psutil.virtual_memory().available // per_token
