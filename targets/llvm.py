@@ -14,8 +14,8 @@ never wrong, at worst slower:
    order measured fastest for one token), strips x row blocks run in parallel; over a symbolic length (attention's
    p · V) each row's output stays in L1 while k runs instead, rows in parallel, the output dim vectorized;
 3. loops: any other block gets its spatial loops fused into one (run in parallel when the work is large) and its
-   innermost loop, when static and a multiple of 4, vectorized; a reduction keeps its reduction loops serial
-   inside, its initialization split out.
+   innermost loop, when static and a multiple of 4, vectorized; a symbolic innermost loop under static ones stays
+   a serial loop of its own; a reduction keeps its reduction loops serial inside, its initialization split out.
 """
 
 from __future__ import annotations
@@ -172,6 +172,12 @@ def _schedule_loops(sch, block) -> None:
         outer, inner = sch.split(spatial[-1], [None, vec])
         spatial = [*spatial[:-1], outer]
     symbolic = any(e is None for e in extents)
+    kept = 0
+    if inner is None and extents[-1] is None and any(e is not None for e in extents[:-1]):
+        # a symbolic innermost loop (a conv's time axis, a cache's length) stays a serial loop of its own when a
+        # static outer one gives the parallel loop its work: fused in, every element would pay an index division
+        # by a runtime extent (docs/toolchain.md, "CPU schedules")
+        spatial, kept = spatial[:-1], 1
     if spatial:  # one loop over the spatial iterations: LLVM takes seconds over a nest of symbolic loops
         outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
         if work >= PARALLEL_MIN or symbolic and work >= 256:
@@ -179,7 +185,7 @@ def _schedule_loops(sch, block) -> None:
     if inner is not None:
         sch.vectorize(inner)
     if reduction:
-        sch.decompose_reduction(block, sch.get_loops(block)[1 if spatial else 0])
+        sch.decompose_reduction(block, sch.get_loops(block)[(1 if spatial else 0) + kept])
 
 
 def schedule_func(func):

@@ -145,3 +145,48 @@ def test_attention_schedules_keep_the_numbers(t, s):
                                atol=1e-4)
     np.testing.assert_allclose(got_p.numpy(), np.einsum("bhts,bsc->bthc", p.astype(np.float64), kv), rtol=1e-4,
                                atol=1e-4)
+
+
+def _conv_funcs():
+    """TE versions of the KDA short convolution's two CPU loop nests, time (symbolic) innermost: the state joined
+    with the new inputs, cat (b, c, t + 3), and the depthwise conv over it, y (b, c, t) (a reduction)."""
+    from tvm import te
+
+    b, t = (tvm.tirx.Var(n, "int64") for n in ("b", "t"))
+    c = 256  # enough static work for the parallel loop (targets/llvm.py: 256 elements in a symbolic nest)
+    x = te.placeholder((b, t, c), name="x")
+    state = te.placeholder((b, c, 3), name="state")
+    cat = te.compute((b, c, t + 3), lambda i, j, k: tvm.tirx.if_then_else(
+        k >= 3, x[i, tvm.tirx.max(k - 3, 0), j], state[i, j, tvm.tirx.min(k, 2)]), name="cat")
+    xs = te.placeholder((b, c, t + 3), name="xs")
+    w = te.placeholder((c, 4), name="w")
+    r = te.reduce_axis((0, 4), "r")
+    conv = te.compute((b, c, t), lambda i, j, k: te.sum(xs[i, j, k + r] * w[j, r], axis=r), name="conv")
+    return te.create_prim_func([x, state, cat]), te.create_prim_func([xs, w, conv])
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (8, 1), (2, 37)])
+def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
+    """The loop rule keeps a symbolic innermost loop out of the fused parallel one (no index division by a runtime
+    extent per element): the loop nest says so, and the numbers are numpy's."""
+    from k3compile.targets.llvm import schedule_func
+
+    f_cat, f_conv = (schedule_func(f) for f in _conv_funcs())
+    for f, name in ((f_cat, "cat"), (f_conv, "conv_update")):
+        sch = tvm.s_tir.Schedule(f)
+        outer, inner = (sch.get(lp) for lp in sch.get_loops(sch.get_sblock(name))[:2])
+        assert outer.kind == tvm.tirx.ForKind.PARALLEL and isinstance(outer.extent, tvm.tirx.Mul)  # b * 256
+        assert inner.kind == tvm.tirx.ForKind.SERIAL and not isinstance(inner.extent, tvm.tirx.IntImm)  # t (+ 3)
+    rng = np.random.default_rng(b * 100 + t)
+    x = rng.standard_normal((b, t, 256), dtype=np.float32)
+    state = rng.standard_normal((b, 256, 3), dtype=np.float32)
+    w = rng.standard_normal((256, 4), dtype=np.float32)
+    lib_c = tvm.compile(f_cat.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    lib_v = tvm.compile(f_conv.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    cat, y = tvm.runtime.empty((b, 256, t + 3), "float32"), tvm.runtime.empty((b, 256, t), "float32")
+    lib_c["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(state), cat)
+    want_cat = np.concatenate([state, x.transpose(0, 2, 1)], axis=2)
+    np.testing.assert_array_equal(cat.numpy(), want_cat)  # a copy: exact
+    lib_v["main"](cat, tvm.runtime.tensor(w), y)
+    want = sum(want_cat[:, :, r:r + t].astype(np.float64) * w[None, :, r, None] for r in range(4))
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)  # four fp32 products summed
