@@ -17,6 +17,7 @@ from torch import Tensor
 
 from k3compile.errors import UserError
 from k3compile.state import join_rows, on_host
+from k3compile.threads import glue_threads
 
 
 class GenerationError(UserError):
@@ -276,7 +277,8 @@ def generate(
             kept.append(last.detach().clone())
         return pick_next(last, temperature, top_p, gen)
 
-    result = decode_loop(step, prompts, max_new_tokens, cfg.pad_token_id if cfg.pad_token_id is not None else 0,
-                         eos_token_id, progress and (lambda index: progress(index + 1, max_new_tokens)))
+    with glue_threads(backend):  # torch's threads would spin against the backend's own (threads.py)
+        result = decode_loop(step, prompts, max_new_tokens, cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+                             eos_token_id, progress and (lambda index: progress(index + 1, max_new_tokens)))
     result.logits = kept
     return result

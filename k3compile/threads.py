@@ -8,6 +8,13 @@ runs (not a benchmark), k3-tiny's eager decode gave 74 tokens/s on one thread an
 busy (77 and 66 idle). So small models take one thread and the rest take every core this process may run on;
 `--threads` overrides, capped at those cores (more threads than cores only contend).
 
+While a compiled model runs (TVM, onnxruntime, a device or the ranks of a sharded OUT), torch does only the glue
+between steps (sampling, masks), yet at a batch of 8 its argmax over [8, vocab] logits is big enough to run on
+every thread, and torch's OpenMP threads then spin after it while TVM's pool wants the same cores: k3-small's
+batch-8 decode through `generate --threads 2` ran at 110 tokens/s (bimodal, 95-210 over runs) and at 285 with
+torch's threads waiting passively (OMP_WAIT_POLICY=PASSIVE, measured to find the cause). `glue_threads(backend)`
+holds torch at one thread while such a backend decodes; the eager backend (`computes_with_torch`) keeps them all.
+
 `use_threads(n)` sets the three at once: torch's intra-op count, TVM's pool (TVM_NUM_THREADS, read when the pool
 starts, and `runtime.config_threadpool` once TVM is loaded); onnxruntime takes the same count per session
 (backends/onnx.py, through `capped`). TVM's pool cannot grow past the size it started with, so commands set the
@@ -16,6 +23,7 @@ count before they load or compile anything.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -69,3 +77,20 @@ def use_threads(n: int) -> int:
         tvm.get_global_func("runtime.config_threadpool")(-3, n, _allowed_cores())
     return n
 
+
+
+@contextlib.contextmanager
+def glue_threads(backend):
+    """torch at one thread inside the block when `backend` computes the model with something else (the module
+    docstring: torch's spinning threads took the cores from TVM's pool); unchanged for the eager backend."""
+    import torch
+
+    if getattr(backend, "computes_with_torch", False):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

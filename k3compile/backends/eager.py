@@ -12,6 +12,7 @@ from k3compile.modes import EAGER, Forms
 
 class EagerBackend:
     name = "eager"
+    computes_with_torch = True  # threads.glue_threads leaves torch its threads
 
     def __init__(self, model: K3ForCausalLM, forms: Forms = EAGER) -> None:
         self.model = model.eval()

@@ -274,6 +274,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
     if options.threads:
         use_threads(options.threads)  # before TVM's pool starts (Rank._load)
+    torch.set_num_threads(1)  # a rank's model runs in TVM; torch only glues (threads.glue_threads)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=options.timeout))
     try:
@@ -383,6 +384,7 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
 
     if options.threads:
         use_threads(options.threads)
+    torch.set_num_threads(1)  # as in decode
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=options.timeout))
     try:

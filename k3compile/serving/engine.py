@@ -27,6 +27,7 @@ import torch
 from k3compile.errors import UserError
 from k3compile.generate import GenerationError, RowPrefill, check_prompts, pick_next, step_last_of
 from k3compile.state import join_rows, on_host, take_rows
+from k3compile.threads import glue_threads
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), glue_threads(self.backend):  # torch's threads would spin against TVM's (threads.py)
             while True:
                 with self._cond:
                     while not self._stop and not self._waiting and not self._rows and self._admitting is None:
