@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3compile.llama_bench import QUIET_BOUND
+from k3compile.threads import glue_threads
 
 # opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
 # artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
@@ -221,13 +222,19 @@ def _decode_once(engine, batch: int, steps: int, vocab: int) -> float:
 def _decode_at_past(engine, past: int, steps: int, vocab: int) -> float:
     """Tokens/s of `steps` batch-1 decode steps after a prompt of `past` tokens, prefilled in chunks of PAST_CHUNK
     (the graph takes new tokens after a past, so no step holds scores for the whole prompt at once)."""
-    import torch
-
-    from k3compile.generate import step_last_of
     from k3compile.llama_bench import LlamaBench
 
     if isinstance(engine, LlamaBench):
         return engine.decode(1, steps, past)
+    with glue_threads(engine):
+        return _decode_after(engine, past, steps, vocab)
+
+
+def _decode_after(engine, past: int, steps: int, vocab: int) -> float:
+    import torch
+
+    from k3compile.generate import step_last_of
+
     step = step_last_of(engine)
     gen = torch.Generator().manual_seed(past)
     state, done = engine.init_past(1), 0
@@ -289,7 +296,8 @@ def _decode_any(engine, batch: int, steps: int, vocab: int) -> float | None:
 
     if isinstance(engine, LlamaBench):  # its own tool, in a fresh process, after the same prompt
         return engine.decode(batch, steps, PROMPT)
-    return _decode_once(engine, batch, steps, vocab)
+    with glue_threads(engine):  # torch's threads held as generate holds them (threads.py)
+        return _decode_once(engine, batch, steps, vocab)
 
 
 def _prefill_any(engine, length: int, vocab: int) -> float:
@@ -297,7 +305,8 @@ def _prefill_any(engine, length: int, vocab: int) -> float:
 
     if isinstance(engine, LlamaBench):
         return engine.prefill(length)
-    return _prefill_once(engine, length, vocab)
+    with glue_threads(engine):
+        return _prefill_once(engine, length, vocab)
 
 
 def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
