@@ -59,9 +59,18 @@ def export_checked(
 
 
 def eager_of(folder: str | Path, source: str | None = None, threads: int | None = None) -> EagerBackend:
-    """The eager model an export folder (or artifact) was made from, rebuilt from its record (or `source`) after
-    checking that the source's config is the exported one; run in the forms the export used."""
-    doc, cfg = open_export(folder)
+    """The eager model an export folder (an artifact, a sharded OUT) was made from, rebuilt from its record (or
+    `source`) after checking that the source's config is the exported one; run in the forms the export used."""
+    from k3compile.manifest import is_sharded, read_sharded
+
+    if is_sharded(folder):  # export --mesh's record is its manifest (its every file's sha256 checked first)
+        doc, cfg, _ = read_sharded(folder)
+        # its dense_weights is the format the ranks store (fp32, or bf16 cut exactly from bf16 values): the values
+        # are the source's unless the build holds MXFP8 ones
+        quant = "mxfp8" if doc.get("dense_weights") == "mxfp8" else "source"
+    else:
+        doc, cfg = open_export(folder)
+        quant = doc.get("dense_weights", "source")
     rec = doc.get("source") or {}
     src = source or rec.get("source")
     if not src:
@@ -71,7 +80,7 @@ def eager_of(folder: str | Path, source: str | None = None, threads: int | None 
         check_unchanged(rec, f"the export {folder}")
     model = load_model(src, seed=rec.get("seed", 0), experts=rec.get("experts", "auto"))
     verify.check_model(model.config, cfg)
-    model = with_dense_weights(model, doc.get("dense_weights", "source"))
+    model = with_dense_weights(model, quant)
     use_threads(threads or default_threads(cfg))
     return EagerBackend(model, Forms.exported(ACT_QUANT_FLAGS[doc.get("activations", "none")]))
 
@@ -82,10 +91,13 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
     the record (or `source`), and compare it with onnxruntime (and onnx.reference): rows with a `backend` key.
     A compiled artifact (it holds its export) is checked the same way and compared too: in TVM's VM (llvm), or on its
     device from its launch plan (a GPU target an executor runs here: backends/executor.py; `device` picks it). The
-    compiled backend is opened first, so that a missing driver or device is one line before any comparison runs."""
-    from k3compile.manifest import read_manifest
+    compiled backend is opened first, so that a missing driver or device is one line before any comparison runs.
+    A sharded OUT (`export --mesh`) has no whole-model graph: its ranks, started here, are compared with eager."""
+    from k3compile.manifest import is_sharded, read_manifest
     from k3compile.source import ARTIFACT, kind_of
 
+    if is_sharded(folder):
+        return _verify_sharded(folder, source, reference, decode_steps, threads, device)
     compiled = kind_of(folder) == ARTIFACT
     compiled_backend = None
     if compiled:
@@ -111,6 +123,22 @@ def verify_export(folder: str | Path, source: str | None = None, reference: bool
         rows += [dict(r, backend=compiled_backend.name)
                  for r in verify.compare(eager, compiled_backend, decode_steps=decode_steps)]
     return rows
+
+
+def _verify_sharded(folder, source, reference: bool, decode_steps: int, threads, device) -> list[dict]:
+    """verify_export for `export --mesh`'s OUT: its ranks on this machine (backends/sharded.py) against eager, every
+    position's logits and every layer's state (fetched from the ranks each step)."""
+    from k3compile.backends.sharded import ShardedBackend
+
+    if reference or device is not None:
+        raise ExportError(f"{folder}: a sharded artifact has no whole-model graph for onnx.reference, and its "
+                          f"ranks take their devices from `run --devices`; drop --reference / --device")
+    eager = eager_of(folder, source, threads)  # the manifest and every rank file checked before any rank starts
+    backend = ShardedBackend(folder, threads=threads)
+    try:
+        return [dict(r, backend=backend.name) for r in verify.compare(eager, backend, decode_steps=decode_steps)]
+    finally:
+        backend.close()
 
 
 def verify_device(folder: str | Path, device: str, source: str | None = None, decode_steps: int = 2,

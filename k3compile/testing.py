@@ -1,4 +1,5 @@
-"""Helpers for users' own tests: a compiled artifact (or an export folder) against the eager model it came from.
+"""Helpers for users' own tests: a compiled artifact (or an export folder, or a sharded OUT) against the eager model
+it came from.
 
     from k3compile.testing import assert_matches_eager
 
@@ -21,13 +22,16 @@ __all__ = ["assert_matches_eager", "open_backend"]
 
 def open_backend(folder: str | Path, threads: int | None = None):
     """The backend that runs `folder` on its own target: TVM's VM for a CPU artifact, its device's executor for a
-    GPU artifact (every output brought back, to compare), onnxruntime for an export folder."""
+    GPU artifact (every output brought back, to compare), onnxruntime for an export folder, the ranks of a sharded
+    OUT (`export --mesh`) started on this machine (end them with its `close()`)."""
     from k3compile.backends.choose import open_backend as choose
     from k3compile.interface import ExportError
+    from k3compile.manifest import is_sharded
     from k3compile.source import ARTIFACT, EXPORT, kind_of
 
-    if kind_of(folder) not in (EXPORT, ARTIFACT):  # else "auto" would pick eager, and eager would match eager
-        raise ExportError(f"{folder}: not an export folder or a compiled artifact")
+    # else "auto" would pick eager, and eager would match eager
+    if not is_sharded(folder) and kind_of(folder) not in (EXPORT, ARTIFACT):
+        raise ExportError(f"{folder}: not an export folder, a compiled artifact or a sharded artifact")
     return choose(str(folder), "auto", threads=threads, host=True)
 
 
@@ -40,15 +44,24 @@ def _table(rows: list[dict]) -> str:
 def assert_matches_eager(folder: str | Path, prompts: list[list[int]] | None = None, atol: float = 1e-4,
                          decode_steps: int = 2, new_tokens: int = 8, source: str | None = None,
                          threads: int | None = None) -> list[dict]:
-    """Assert that `folder` computes what eager computes (see the module docstring); returns the compared rows."""
-    from k3compile.generate import generate
+    """Assert that `folder` computes what eager computes (see the module docstring); returns the compared rows.
+    `folder`: an export, a compiled artifact, or a sharded OUT (its ranks started here and ended before return)."""
     from k3compile.pipeline import eager_of
-    from k3compile.verify import compare, default_prompts
 
     if not (isinstance(atol, (int, float)) and math.isfinite(atol) and atol >= 0):
         raise ValueError(f"atol must be a finite number >= 0, not {atol!r}")
-    candidate = open_backend(folder, threads)
-    eager = eager_of(folder, source, threads)
+    candidate = open_backend(folder, threads)  # first: a missing driver is one line before eager is built
+    try:
+        eager = eager_of(folder, source, threads)
+        return _assert_matches(folder, eager, candidate, prompts, atol, decode_steps, new_tokens)
+    finally:
+        getattr(candidate, "close", lambda: None)()  # a sharded OUT's ranks end here
+
+
+def _assert_matches(folder, eager, candidate, prompts, atol, decode_steps, new_tokens) -> list[dict]:
+    from k3compile.generate import generate
+    from k3compile.verify import compare, default_prompts
+
     rows = compare(eager, candidate, decode_steps=decode_steps, prompts=prompts)
     bad = sorted((r for r in rows if not r["max_abs"] <= atol),  # NaN fails too
                  key=lambda r: (not math.isnan(r["max_abs"]), -r["max_abs"] if not math.isnan(r["max_abs"]) else 0))

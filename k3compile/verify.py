@@ -61,6 +61,12 @@ def default_prompts(cfg: K3Config) -> list[list[int]]:
                                                                9 % cfg.vocab_size]]
 
 
+def _host(backend, past):
+    """`past` in this process's memory: a sharded OUT's ranks hold theirs (backends/sharded.py, host_past)."""
+    host = getattr(backend, "host_past", None)
+    return host(past) if host is not None else past
+
+
 @torch.no_grad()
 def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]] | None = None) -> list[dict]:
     """Rows (phase, output, max_abs, max_rel) of `candidate` against `reference`, two step backends of one config."""
@@ -73,8 +79,8 @@ def compare(reference, candidate, decode_steps: int = 2, prompts: list[list[int]
     for step in range(decode_steps + 1):
         lr, past_r = reference.step(ids, mask, past_r)
         lc, past_c = candidate.step(ids, mask, past_c)
-        rows += _rows("prefill" if step == 0 else f"decode {step}", gi.outputs, [lr, *flatten(past_r)],
-                      [lc, *flatten(past_c)])
+        rows += _rows("prefill" if step == 0 else f"decode {step}", gi.outputs,
+                      [lr, *flatten(_host(reference, past_r))], [lc, *flatten(_host(candidate, past_c))])
         ids = lr[:, -1].argmax(-1, keepdim=True)  # both sides continue with the reference's greedy token
         mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
     return rows

@@ -48,6 +48,7 @@ from k3compile.runtime.worker import (
     READY,
     START_S,
     STEP,
+    STEP_ALL,
     STOP,
     Options,
     RuntimeFault,
@@ -147,10 +148,14 @@ class ShardedBackend:
         return RankState(self, EMPTY, batch, 0)
 
     def step(self, input_ids: Tensor, attention_mask: Tensor, past) -> tuple[Tensor, RankState]:
-        """As step_last: the ranks send each row's last logits only ([B, 1, V])."""
-        return self.step_last(input_ids, attention_mask, past)
+        """Every position's logits [B, T, V] (what verify compares; generation and serving take step_last)."""
+        return self._step(input_ids, attention_mask, past, every=True)
 
     def step_last(self, input_ids: Tensor, attention_mask: Tensor, past) -> tuple[Tensor, RankState]:
+        """Each row's last logits only, [B, 1, V]: all that crosses from the ranks."""
+        return self._step(input_ids, attention_mask, past, every=False)
+
+    def _step(self, input_ids: Tensor, attention_mask: Tensor, past, every: bool) -> tuple[Tensor, RankState]:
         import torch.distributed as dist
 
         rows, tokens = input_ids.shape
@@ -169,16 +174,16 @@ class ShardedBackend:
                                  f"{tokens} tokens")
             padded = max(rows, self.min_rows)
             out = self._slot()
-            self._command(STEP, state.slot, out, padded, tokens, length)
+            self._command(STEP_ALL if every else STEP, state.slot, out, padded, tokens, length)
             for t in (input_ids, attention_mask):
                 self._talk(dist.broadcast, own_rows(t.to(torch.int64), 0, rows, padded).contiguous(), src=self.ctl)
-            logits = torch.empty(padded, self.config.vocab_size)
+            logits = torch.empty(padded, tokens if every else 1, self.config.vocab_size)
             for d in range(self.plan.mesh.dp):
                 for r in self.plan.token_sources(d):
                     lo, hi, _ = self.plan.rank_rows(padded, r)
-                    self._talk(dist.recv, logits[lo:hi], src=r, group=self._work)
+                    self._talk(dist.recv, logits[lo:hi] if every else logits[lo:hi, 0], src=r, group=self._work)
             self._last = time.monotonic()
-            return logits[:rows, None], RankState(self, out, rows, length + tokens)
+            return logits[:rows], RankState(self, out, rows, length + tokens)
 
     def host_past(self, past) -> Past:
         """The state in this process's memory (fetched from the ranks once)."""

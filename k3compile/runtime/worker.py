@@ -342,13 +342,14 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 #   STEP: ids [rows, tokens] and mask [rows, past + tokens] broadcast; every rank runs its part of the step on the
 #         state in `slot` (-1: an empty state) and keeps the present in `slot out`; each token source sends the
 #         controller the last position's logits of its own rows.
+#   STEP_ALL: as STEP, but the token sources send the logits of every position [rows, tokens, vocab] (verify).
 #   PUT:  the controller sends every rank its rows of a state (its layers, padded as own_rows pads), kept in `slot`.
 #   GET:  every rank that holds rows (holds_rows) sends the controller its own rows of `slot`'s state.
 #   FREE: `slot` is dropped.  NOOP: nothing (the controller's keep-alive).  STOP: the rank exits 0.
 # Rows are the physical batch the controller pads to (at least one row per token source of every replica); a rank's
 # part is plan.rank_rows(rows, rank). Nothing crosses but tensors of shapes both sides derive from the header.
 HEADER = 6
-STOP, NOOP, FREE, PUT, GET, STEP = range(6)
+STOP, NOOP, FREE, PUT, GET, STEP, STEP_ALL = range(7)
 EMPTY = -1  # the slot of a state no token has entered
 READY, GO = "k3compile/serve/ready/", "k3compile/serve/go"  # the store's keys of the start
 START_S = 1800.0  # seconds loading every rank's library may take before the controller gives up
@@ -411,7 +412,7 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
                 elif cmd == GET:
                     if holds_rows(plan, rank):
                         me.send([me.host(t)[:hi - lo] for t in slots[slot]], ctl)
-                elif cmd == STEP:
+                elif cmd in (STEP, STEP_ALL):
                     ids = torch.empty(rows, tokens, dtype=torch.int64)
                     mask = torch.empty(rows, length + tokens, dtype=torch.int64)
                     for t in (ids, mask):
@@ -421,7 +422,7 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
                     outs, head = me.forward(own_rows(ids, lo, hi, padded), own_rows(mask, lo, hi, padded), past)
                     slots[out] = outs[head:]
                     if rank in sources:
-                        me.send([outs[0][:hi - lo, -1].float()], ctl)
+                        me.send([(outs[0][:hi - lo] if cmd == STEP_ALL else outs[0][:hi - lo, -1]).float()], ctl)
                 else:
                     raise RuntimeFault(f"rank {rank}: unknown command {cmd} from the controller")
     finally:

@@ -700,3 +700,48 @@ def test_generate_runs_a_sharded_artifact_on_text(sharded):
         assert {k: json.loads(got.stdout)[k] for k in ("tokens", "texts")} == \
             {k: json.loads(want.stdout)[k] for k in ("tokens", "texts")}
     assert set(Path(tempfile.gettempdir()).glob("k3compile-serve-*")) == before
+
+
+def _verify_json(folder, *args) -> tuple[int, dict | None, str]:
+    res = cli("verify", str(folder), "--json", "--quiet", *args)
+    return res.returncode, json.loads(res.stdout) if res.stdout.strip() else None, res.stderr
+
+
+@pytest.mark.parametrize("mesh,dispatch", [("ep=2,pp=2", "all-reduce"), ("ep=3", A2A)])
+def test_verify_compares_a_sharded_artifact_with_eager_and_fails_past_tolerance(sharded, mesh, dispatch):
+    """`verify OUT` on export --mesh's folder: its ranks against eager, every position's logits and every layer's
+    state at each step (fetched from the ranks), then the same run with a tolerance below its own worst row fails."""
+    folder = sharded[("k3-tiny", mesh, dispatch)]
+    rc, doc, err = _verify_json(folder)
+    assert rc == 0, err[-2000:]
+    rows = doc["rows"]
+    outputs = {r["output"] for r in rows}
+    assert "logits" in outputs and any(o.startswith("present.") for o in outputs)
+    assert {r["phase"] for r in rows} == {"prefill", "decode 1", "decode 2"}
+    assert all("ranks" in r["backend"] for r in rows)
+    worst = max(r["max_abs"] for r in rows)
+    assert 0 < worst <= 1e-4  # fp32 kernels in another order than torch's: equal within the default tolerance
+    rc, doc, err = _verify_json(folder, "--tolerance", repr(worst / 2))
+    assert rc == 1 and doc["ok"] is False and "past tolerance" in err and "Traceback" not in err
+
+
+def test_verify_refuses_a_tampered_rank_file_with_one_line(sharded, tmp_path):
+    folder = _copy(sharded[("k3-tiny", "ep=2", "all-reduce")], tmp_path)
+    path = folder / "rank0" / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    res = cli("verify", str(folder))
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "Traceback" not in res.stderr
+    assert "rank0/weights.safetensors: its sha256 differs" in res.stderr
+
+
+def test_assert_matches_eager_runs_a_sharded_artifact_and_ends_its_ranks(sharded):
+    """The testing helper on a sharded OUT: compared, 8 greedy tokens equal, and its ranks ended (a second call in
+    this process starts a new world; a backend left open would refuse it)."""
+    from k3compile.testing import assert_matches_eager
+
+    folder = sharded[("k3-tiny", "ep=2,dp=2", "all-reduce")]
+    for _ in range(2):
+        rows = assert_matches_eager(folder, prompts=PROMPTS, decode_steps=1)
+        assert any(r["output"] == "logits" for r in rows)

@@ -333,7 +333,7 @@ def test_assert_matches_eager_refuses_what_is_not_a_built_folder(tmp_path):
 
     save_checkpoint(load_model("k3-tiny"), tmp_path / "ckpt")
     for folder in ("k3-tiny", tmp_path / "ckpt"):
-        with pytest.raises(ExportError, match="not an export folder or a compiled artifact"):
+        with pytest.raises(ExportError, match="not an export folder, a compiled artifact or a sharded artifact"):
             assert_matches_eager(folder)
 
 
