@@ -27,15 +27,23 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
 @click.option("--device-memory", "device_memory", default=64.0, show_default=True,
               type=FiniteFloat(min=0, min_open=True, max=MAX_DEVICE_GIB),
               help=f"GiB of memory per device (at most {MAX_DEVICE_GIB}).")
+@click.option("--device-bandwidth", "device_bandwidth", default=1600.0, show_default=True,
+              type=FiniteFloat(min=0, min_open=True, max=1e9),
+              help="GB/s a device reads its memory at (the decode-time prediction; default: the documented "
+                   "assumed class, docs/architecture.md \"The plan's device model\").")
+@click.option("--link-bandwidth", "link_bandwidth", default=100.0, show_default=True,
+              type=FiniteFloat(min=0, min_open=True, max=1e9),
+              help="GB/s a device sends to its peers at (all its collectives share it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def command(source, devices, mesh, context, batch, dtype, device_memory, as_json):
+def command(source, devices, mesh, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, as_json):
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
     folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
     and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
-    and at full width."""
+    and at full width; a predicted decode step on the stated device (memory and link bandwidth). The meshes that
+    fit come first, fastest first."""
     from k3compile.presets import load_config
     from k3compile.sharding import Mesh, PlanError
-    from k3compile.sharding.cost import Sizes, candidate_meshes, does_not_fit, evaluate
+    from k3compile.sharding.cost import Device, Sizes, candidate_meshes, does_not_fit, evaluate
 
     memory = int(device_memory * GIB)
     with user_errors():
@@ -55,7 +63,9 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, as_json
         if not meshes:
             raise PlanError(f"every mesh of {devices} devices needs a batch of at least its dp; raise --batch")
         sizes = Sizes.of(cfg)
-        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory) for m in meshes]
+        device = Device(bandwidth=device_bandwidth * 1e9, link=link_bandwidth * 1e9)
+        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device) for m in meshes]
+        rows.sort(key=lambda r: (not r["fits"], r["predicted"]["step_s"]))  # stable: equal times keep their order
         if mesh is not None and not rows[0]["fits"]:
             raise PlanError(does_not_fit(rows[0], memory))
         if not any(r["fits"] for r in rows):
@@ -63,21 +73,24 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, as_json
                             + does_not_fit(min(rows, key=lambda r: r["device_total"]), memory))
     if as_json:
         click.echo(dumps({"source": source, "devices": devices, "context": context, "batch": batch, "dtype": dtype,
-                          "device_memory": memory, "meshes": rows}, indent=2))
+                          "device_memory": memory, "device_bandwidth": device.bandwidth,
+                          "link_bandwidth": device.link, "meshes": rows}, indent=2))
         return
-    _table(cfg, rows, devices, context, batch, dtype, device_memory)
+    _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth)
 
 
-def _table(cfg, rows, devices, context, batch, dtype, device_memory) -> None:
+def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth) -> None:
     from rich.table import Table
 
-    t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB ({dtype}, context "
-                    f"{context}, batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
+    t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB, "
+                    f"{device_bandwidth:g} GB/s memory, {link_bandwidth:g} GB/s link ({dtype}, context {context}, "
+                    f"batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
                     "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D; "
-                    "max ctx: the longest context every device holds at this batch")
+                    "max ctx: the longest context every device holds at this batch; step: the predicted decode "
+                    "step (memory-bound, one batch in flight), the meshes that fit first, fastest first")
     t.add_column("mesh", no_wrap=True)
-    for col in ("dense", "experts", "state", "total", "fits", "max ctx", "all-reduce", "send", "a2a D_e", "a2a D",
-                "D_e/D"):
+    for col in ("dense", "experts", "state", "total", "fits", "max ctx", "step ms", "tok/s", "all-reduce", "send",
+                "a2a D_e", "a2a D", "D_e/D"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         b = r["device_bytes"]
@@ -87,6 +100,7 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory) -> None:
         ratio = f"{a2a['latent'] / a2a['full_width']:.2f}" if a2a["full_width"] else "-"
         t.add_row(r["mesh"], f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{state / GIB:,.2f}",
                   f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no", f"{r['max_context']:,}",
+                  f"{r['predicted']['step_s'] * 1e3:,.2f}", f"{r['predicted']['tokens_per_s']:,.1f}",
                   _bytes(r["bytes_per_token"]["all_reduce"]), _bytes(r["bytes_per_token"]["send"]),
                   _bytes(a2a["latent"]), _bytes(a2a["full_width"]), ratio)
     table_console().print(t)

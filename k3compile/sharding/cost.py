@@ -123,6 +123,41 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
     return out
 
 
+@dataclass(frozen=True)
+class Device:
+    """The accelerator a plan predicts decode time for (docs/architecture.md, "The plan's device model"): memory
+    bandwidth in bytes/s, and the bytes/s one device sends to its peers (every collective of a step shares it)."""
+
+    bandwidth: float
+    link: float
+
+
+# The default class: a 64 GiB HBM2e accelerator at 1.6 TB/s with 100 GB/s of interconnect per device. An assumed
+# class, not a measured one (`plan --device-bandwidth / --link-bandwidth` set another).
+DEFAULT_DEVICE = Device(bandwidth=1.6e12, link=100e9)
+
+
+def rank_read_bytes(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, context: int, dtype_bytes: int) -> int:
+    """Bytes rank `p` reads from its memory in one decode step of `rows` rows after `context` tokens: every dense
+    weight it holds but the embedding (one row per token), of its routed experts the share that the step's
+    rows x top-k routings touch at least once under uniform routing, 1 - (1 - 1/E)^(rows k), its KDA states read and
+    written back, and its MLA caches read (context positions) plus the new position written."""
+    w = rank_weights(cfg, sizes, p, dtype_bytes)
+    dense = w["dense"] - (sizes.embed * dtype_bytes - rows * cfg.hidden_size * dtype_bytes if p.first else 0)
+    experts = w.get("experts_mxfp4", w.get("experts_float", 0))
+    touched = 1 - (1 - 1 / cfg.num_experts) ** (rows * cfg.num_experts_per_token) if cfg.num_experts else 0.0
+    state = rank_state(cfg, p, rows, context, dtype_bytes)
+    new_row = rank_state(cfg, p, rows, 1, dtype_bytes)["mla_cache"]
+    return dense + round(experts * touched) + 2 * state["kda_state"] + state["mla_cache"] + new_row
+
+
+def link_seconds(moved: dict[str, int], ep: int, device: Device) -> float:
+    """Seconds a rank's collectives of one step take on its link, from the payload bytes step_bytes counts: a ring
+    all-reduce sends 2(n-1)/n of its tensor, an all-to-all the blocks that leave, a send or broadcast its tensor."""
+    ring = 2 * (ep - 1) / ep if ep > 1 else 0.0
+    return (moved["all_reduce"] * ring + moved["all_to_all"] + moved["send"] + moved["broadcast"]) / device.link
+
+
 def candidate_meshes(cfg: K3Config, devices: int) -> list[Mesh]:
     """Every (ep, pp, dp) with ep · pp · dp = devices that make_plan accepts, the widest expert parallelism first."""
     out = []
@@ -156,17 +191,22 @@ def alike_ranks(plan: ShardPlan, batch: int) -> list[tuple[int, int]]:
 
 
 def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
-             device_memory: int) -> dict:
+             device_memory: int, device: Device = DEFAULT_DEVICE) -> dict:
     """One mesh's row of `k3compile plan`: the fullest device's memory by kind (its lowest rank), whether it fits,
     and the bytes per decode token by collective summed over the mesh (with the all-to-all dispatch alternative,
     latent and full width), and the longest context the devices hold at this batch (`max_context`: the KDA state is
     fixed per row, the MLA cache grows per token; at most the model's max_position_embeddings). `batch` is the
-    whole batch, split over dp replicas. Each class of alike ranks is priced once (`alike_ranks`)."""
+    whole batch, split over dp replicas. Each class of alike ranks is priced once (`alike_ranks`).
+
+    `predicted`: the decode step's time on `device` (memory-bound: each rank's read bytes over the bandwidth, plus
+    its collectives over the link, in sequence as a decode step runs them layer by layer), the slowest rank of each
+    stage, the stages one after the other (one batch in flight: no micro-batches), the replicas side by side."""
     plan = make_plan(cfg, mesh)
     w = DTYPE_BYTES[dtype]
     worst: dict | None = None
     total = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
+    stages: dict[tuple[int, int], float] = {}  # (replica, stage) -> its slowest rank's predicted seconds a step
     for r, count in alike_ranks(plan, batch):
         p, b = plan.rank(r), plan.rank_rows(batch, r)[2]
         mem = {**rank_weights(cfg, sizes, p, w), **rank_state(cfg, p, b, context, w),
@@ -179,8 +219,12 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             fixed = row["total"] - mem["mla_cache"]
             holds = max(0, (device_memory - fixed) // per_token)
             longest = holds if longest is None else min(longest, holds)
-        for k, v in step_bytes(cfg, plan, r, batch, w).items():
+        moved = step_bytes(cfg, plan, r, batch, w)
+        for k, v in moved.items():
             total[k] += count * v
+        seconds = rank_read_bytes(cfg, sizes, p, b, context, w) / device.bandwidth + link_seconds(moved, mesh.ep,
+                                                                                                   device)
+        stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
     if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
         other = make_plan(cfg, mesh, "all_to_all")
@@ -190,12 +234,17 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             full += count * step_bytes(cfg, other, r, batch, w, cfg.hidden_size)["all_to_all"]
         a2a = {"latent": latent / batch, "full_width": full / batch}
     assert worst is not None
+    step = max(sum(stages[(d, st)] for st in range(mesh.pp)) for d in range(mesh.dp) if (d, 0) in stages)
     return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
             "max_context": min(longest, cfg.max_position_embeddings) if longest is not None
             else cfg.max_position_embeddings,
-            "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a}
+            "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a,
+            "predicted": {"step_s": step, "tokens_per_s": batch / step,
+                          "stage_s": [max(stages[(d, st)] for d in range(mesh.dp) if (d, st) in stages)
+                                      for st in range(mesh.pp)],
+                          "device_bandwidth": device.bandwidth, "link_bandwidth": device.link}}
 
 
 def does_not_fit(row: dict, device_memory: int) -> str:

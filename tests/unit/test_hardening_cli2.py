@@ -80,7 +80,7 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
     reference the class reduction must equal exactly."""
     plan, w = make_plan(cfg, mesh), DTYPE_BYTES[dtype]
     worst, total = None, dict.fromkeys(("all_reduce", "all_to_all", "send", "broadcast"), 0)
-    holds = []
+    holds, stages, dev = [], {}, cost.DEFAULT_DEVICE
     for p in plan.ranks():
         b = plan.rank_rows(batch, p.rank)[2]
         mem = {**cost.rank_weights(cfg, sizes, p, w), **cost.rank_state(cfg, p, b, context, w),
@@ -89,8 +89,13 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
             worst = (p.rank, mem, sum(mem.values()))
         if mem["mla_cache"]:  # the context that fills this rank: everything else is fixed, the cache per token
             holds.append(max(0, (memory - sum(mem.values()) + mem["mla_cache"]) * context // mem["mla_cache"]))
-        for k, v in cost.step_bytes(cfg, plan, p.rank, batch, w).items():
+        moved = cost.step_bytes(cfg, plan, p.rank, batch, w)
+        for k, v in moved.items():
             total[k] += v
+        seconds = (cost.rank_read_bytes(cfg, sizes, p, b, context, w) / dev.bandwidth
+                   + cost.link_seconds(moved, mesh.ep, dev))
+        stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
+    step = max(sum(stages[(d, s)] for s in range(mesh.pp)) for d in range(mesh.dp))
     latent = full = 0
     if mesh.ep > 1:
         other = make_plan(cfg, mesh, "all_to_all")
@@ -101,7 +106,10 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
             "fullest_rank": worst[0], "device_bytes": worst[1], "device_total": worst[2], "fits": worst[2] <= memory,
             "max_context": min([*holds, cfg.max_position_embeddings]),
             "bytes_per_token": {k: v / batch for k, v in total.items()},
-            "all_to_all_per_token": {"latent": latent / batch, "full_width": full / batch}}
+            "all_to_all_per_token": {"latent": latent / batch, "full_width": full / batch},
+            "predicted": {"step_s": step, "tokens_per_s": batch / step,
+                          "stage_s": [max(stages[(d, s)] for d in range(mesh.dp)) for s in range(mesh.pp)],
+                          "device_bandwidth": dev.bandwidth, "link_bandwidth": dev.link}}
 
 
 @settings(max_examples=examples(60), deadline=None)

@@ -201,6 +201,35 @@ def test_latent_dispatch_moves_half_the_bytes_of_full_width_on_k3():
     assert abs(a2a["latent"] / a2a["full_width"] - 0.5) < 1e-3  # 3584 / 7168, plus the ids and weights
 
 
+def test_the_predicted_decode_step_follows_the_hand_rule_on_k3():
+    """Stage 0 of ep=8,pp=8 (layers [0, 12): layer 0 dense, 11 MoE; MLA at 3, 7, 11; 112 experts a rank), batch 8,
+    context 131072, bf16, on a 1 TB/s device with 100 GB/s links, written out by hand: the bytes one rank reads
+    over the bandwidth plus its collectives over the link."""
+    from k3compile.sharding.cost import Device, step_bytes
+
+    k3 = preset("k3")
+    sizes = Sizes.of(k3)
+    mesh, b, ctx = Mesh(8, 8), 8, 131072
+    dev = Device(bandwidth=1e12, link=1e11)
+    row = evaluate(k3, sizes, mesh, batch=b, context=ctx, dtype="bf16", device_memory=64 << 30, device=dev)
+    p = make_plan(k3, mesh).rank(0)
+    per_expert = 3 * 3072 * 3584 * 17 // 32  # MXFP4 W13 + W2 of one expert (codes and scales)
+    touched = 1 - (1 - 1 / 896) ** (b * 16)  # uniform routing: an expert of the slice hit by any of 8 x 16 picks
+    dense = rank_weights(k3, sizes, p, 2)["dense"] - 163840 * 7168 * 2 + b * 7168 * 2  # one embedding row a token
+    mla = 3 * b * (ctx + 1) * (512 + 64) * 2  # three MLA layers' latent + RoPE cache read, one position written
+    kda = 2 * 9 * b * (3 * 96 * 128 * 3 * 2 + 96 * 128 * 128 * 4)  # nine KDA layers' conv + recurrent state, r + w
+    read = dense + round(11 * 112 * per_expert * touched) + mla + kda
+    moved = step_bytes(k3, make_plan(k3, mesh), 0, b, 2)
+    assert moved["all_reduce"] == 11 * b * 3584 * 2  # each MoE layer's latent partial sums
+    link = (moved["all_reduce"] * 2 * 7 / 8 + moved["send"]) / 1e11  # a ring all-reduce sends 2(n-1)/n of it
+    assert row["predicted"]["stage_s"][0] == pytest.approx(read / 1e12 + link, rel=1e-9)
+    assert row["predicted"]["step_s"] == pytest.approx(sum(row["predicted"]["stage_s"]), rel=1e-12)
+    assert row["predicted"]["tokens_per_s"] == pytest.approx(b / row["predicted"]["step_s"])
+    faster = evaluate(k3, sizes, mesh, batch=b, context=ctx, dtype="bf16", device_memory=64 << 30,
+                      device=Device(bandwidth=2e12, link=1e11))
+    assert faster["predicted"]["step_s"] < row["predicted"]["step_s"]
+
+
 def _plan(*args):
     return subprocess.run([sys.executable, "-m", "k3compile.cli", "plan", *args], capture_output=True, text=True)
 
@@ -220,6 +249,15 @@ def test_plan_cli_table_json_and_refusal():
     assert res.returncode == 1 and "does not divide 6 devices" in res.stderr
     table = _plan("k3-tiny", "--devices", "4")
     assert table.returncode == 0 and "ep=4" in table.stdout and "pp=4" in table.stdout
+    res = _plan("k3", "--devices", "64", "--device-memory", "64", "--context", "131072", "--batch", "8",
+                "--device-bandwidth", "1600", "--link-bandwidth", "100", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["device_bandwidth"] == 1.6e12 and doc["link_bandwidth"] == 1e11
+    keys = [(not r["fits"], r["predicted"]["step_s"]) for r in doc["meshes"]]
+    assert keys == sorted(keys) and not keys[0][0]  # the meshes that fit first, fastest first
+    assert all(r["predicted"]["tokens_per_s"] == pytest.approx(8 / r["predicted"]["step_s"]) for r in doc["meshes"])
+    res = _plan("k3", "--devices", "64", "--link-bandwidth", "0")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
 # ---- the sharded manifest's reader, fuzzed -------------------------------------------------------------------------
