@@ -118,6 +118,9 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
               callback=_names(tuple(DISPATCH_FLAGS)),
               help="With --mesh: comma-separated all-reduce, all-to-all; a mesh with ep > 1 runs once per dispatch.")
+@click.option("--micro-batches", "micro_batches", default="1", show_default=True, callback=_sizes,
+              help="With --mesh: comma-separated micro-batch counts; a mesh with pp > 1 runs once per count (`run "
+                   "--micro-batches`).")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None, metavar="PATH",
               help="Also run llama.cpp: its llama-bench binary (llama-batched-bench beside it runs decode batches "
                    "above 1), interleaved with the backends' repetitions, same threads; needs --gguf.")
@@ -140,8 +143,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="With --serve: tokens each client's request generates.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, decode_past, target, json_path,
-            png_path, meshes, dispatches, llama_bench, gguf, allow_busy, serve, serve_prefix, serve_suffix,
-            serve_clients, serve_tokens, quiet):
+            png_path, meshes, dispatches, micro_batches, llama_bench, gguf, allow_busy, serve, serve_prefix,
+            serve_suffix, serve_clients, serve_tokens, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
@@ -183,7 +186,7 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
 
             with status(f"benchmarking {source} over {len(meshes)} meshes", quiet) as step:
                 result = run_mesh_bench(source, meshes, decode_batches[0], decode_steps, repeats, step,
-                                        tuple(DISPATCH_FLAGS[d] for d in dispatches))
+                                        tuple(DISPATCH_FLAGS[d] for d in dispatches), micro_batches)
             if json_path is not None:
                 _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
             click.echo(mesh_table(result))

@@ -69,6 +69,15 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
+    if options.micro_batches > 1:
+        rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica
+        if plan.mesh.pp == 1 or doc.get("target") not in (None, "llvm"):
+            raise RuntimeFault(f"--micro-batches {options.micro_batches}: micro-batches pipeline the stages of an "
+                               f"llvm artifact with pp > 1; mesh {plan.mesh} on {doc.get('target')} has nothing "
+                               "to overlap or no such ranks")
+        if options.micro_batches > rows:
+            raise RuntimeFault(f"--micro-batches {options.micro_batches}: above the {rows} rows a replica decodes "
+                               f"({len(options.prompts)} prompts over dp={plan.mesh.dp})")
     per_node = world // rdzv.nnodes
     device_env = device_env_of(doc["target"], options.devices, per_node)
     threads = capped(options.threads) if options.threads else default_threads(per_node)

@@ -62,6 +62,7 @@ class Options:
     progress: bool = False  # rank 0 reports each step on stderr
     devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
     serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
+    micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.step)
 
 
 class Rank:
@@ -213,21 +214,37 @@ class Rank:
                 self.send(outs[:head], s["to"])
         return outs, head
 
-    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]]):
+    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], micro_batches: int = 1):
         """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
-        rows within the replica. Returns (the replica's next tokens, present)."""
+        rows within the replica. Returns (the replica's next tokens, present).
+
+        With `micro_batches` M > 1 the rows run as M contiguous micro-batches (even_slices; every rank of the
+        replica splits its rows alike), each its own recv / run / send, so stage s runs micro-batch m while stage
+        s + 1 runs m - 1 (docs/architecture.md, "Micro-batches"); the presents are joined again by rows, and the
+        last stage picks every row's token once all have run."""
         import torch
 
-        outs, head = self.forward(ids, mask, past)
+        from k3compile.sharding.plan import even_slices
+
+        parts = [(a, b) for a, b in even_slices(ids.shape[0], micro_batches) if b > a]
+        logits, presents = [], []
+        for a, b in parts:
+            whole = len(parts) == 1
+            outs, head = self.forward(ids if whole else ids[a:b], mask if whole else mask[a:b],
+                                      past if whole else [t[a:b] for t in past])
+            logits.append(outs[0] if self.p.last else None)
+            presents.append(outs[head:])
+        present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
         sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s, (lo, hi, padded) in zip(sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
             if self.p.rank == s["from"]:
-                buf.copy_(pick(outs[0][:, -1]))
+                last = logits[0] if len(parts) == 1 else torch.cat(logits)
+                buf.copy_(pick(last[:, -1]))
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
-        return nxt, outs[head:]
+        return nxt, present
 
 
 def process_groups(plan, timeout) -> tuple[dict, dict]:
@@ -311,7 +328,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                     raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
                 return pick_next(logits, options.temperature, options.top_p, gen)
 
-            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows)
+            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows, options.micro_batches)
             return nxt
 
         def on_step(index):

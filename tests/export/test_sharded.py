@@ -226,15 +226,16 @@ def test_run_device_picks_each_ranks_adapter_or_is_one_line(webgpu_sharded, shar
         run(sharded[("k3-tiny", "ep=2", "all-reduce")], Options(PROMPTS, 2, devices=(0,)))
 
 
-def check_decode(folder, dispatch, eager, tvm, tmp_path):
+def check_decode(folder, dispatch, eager, tvm, tmp_path, micro_batches: int = 1):
     """`run` FOLDER on PROMPTS: greedy tokens equal eager's (and the single-process TVM build's), every rank's final
-    decode state within STATE_ATOL of the single-process one, every rank's bytes per step = the plan's = `accounted`."""
+    decode state within STATE_ATOL of the single-process one, every rank's bytes per step = the plan's = `accounted`
+    (micro-batches split the same bytes into smaller messages: the totals do not change)."""
     from k3compile.manifest import read_sharded
 
     want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
     assert generate(tvm, PROMPTS, NEW, eos_token_id=tvm.config.eos_token_id).tokens == want
     tmp_path.mkdir(exist_ok=True)
-    res = run(folder, Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path)))
+    res = run(folder, Options(PROMPTS, NEW, threads=1, states_dir=str(tmp_path), micro_batches=micro_batches))
     assert res["tokens"] == want
     assert sum(len(t) for t in want) > 3 * 8  # enough decode steps to mean something
 
@@ -257,6 +258,24 @@ def check_decode(folder, dispatch, eager, tvm, tmp_path):
         assert row["decode_steps"] == max(len(t) for t in want) - 1
         rule = accounted(cfg, plan, row["rank"], row["rows"], id_bytes=4 if doc["target"] == "webgpu" else 8)
         assert row["bytes_per_step"] == row["predicted_bytes_per_step"] == rule, row
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_micro_batches_pipeline_the_stages_and_decode_the_same(sharded, references, tmp_path, micro_batches):
+    """ep=2,pp=2 with the three prompts as 2 (rows 2 + 1) or 3 micro-batches a step: eager's tokens, the states,
+    the plan's bytes."""
+    check_decode(sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")], "all-reduce", *references["k3-tiny"], tmp_path,
+                 micro_batches)
+
+
+@pytest.mark.parametrize("mesh,args,expect", [
+    ("ep=2,pp=2", ["--micro-batches", "4"], "--micro-batches 4: above the 3 rows a replica decodes"),
+    ("ep=2", ["--micro-batches", "2"], "micro-batches pipeline the stages of an llvm artifact with pp > 1")])
+def test_micro_batches_that_cannot_apply_are_one_line(sharded, mesh, args, expect):
+    prompts = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    res = cli("run", str(sharded[("k3-tiny", mesh, "all-reduce")]), *prompts, "--max-new-tokens", "2", *args)
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1 and expect in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_data_parallel_replicas_decode_their_rows(sharded, references):
