@@ -132,7 +132,7 @@ def _verify_sharded(folder, source, reference: bool, decode_steps: int, threads,
 
     if reference or device is not None:
         raise ExportError(f"{folder}: a sharded artifact has no whole-model graph for onnx.reference, and its "
-                          f"ranks take their devices from `run --devices`; drop --reference / --device")
+                          "ranks take their devices from `run --device`; drop --reference / --device")
     eager = eager_of(folder, source, threads)  # the manifest and every rank file checked before any rank starts
     backend = ShardedBackend(folder, threads=threads)
     try:
