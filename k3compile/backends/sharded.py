@@ -78,9 +78,11 @@ def _gloo_interface(name: str):
 class RankState:
     """A decode state the ranks hold in `slot`, for `rows` rows after `length` tokens."""
 
-    def __init__(self, backend: ShardedBackend, slot: int, rows: int, length: int) -> None:
+    def __init__(self, backend: ShardedBackend, slot: int, rows: int, length: int,
+                 mask: Tensor | None = None) -> None:
         self.backend, self.slot, self.rows, self.length = backend, slot, rows, length
         self.host: Past | None = None  # fetched once (host_past)
+        self.mask = mask  # the attention mask [rows, length] the ranks keep with the slot (None: they keep none)
         if slot != EMPTY:
             weakref.finalize(self, backend._freed.append, slot)
 
@@ -145,7 +147,7 @@ class ShardedBackend:
     # ---- the Backend protocol (backends/base.py) -------------------------------------------------------------------
 
     def init_past(self, batch: int) -> RankState:
-        return RankState(self, EMPTY, batch, 0)
+        return RankState(self, EMPTY, batch, 0, torch.zeros(batch, 0, dtype=torch.int64))
 
     def step(self, input_ids: Tensor, attention_mask: Tensor, past) -> tuple[Tensor, RankState]:
         """Every position's logits [B, T, V] (what verify compares; generation and serving take step_last)."""
@@ -174,16 +176,20 @@ class ShardedBackend:
                                  f"{tokens} tokens")
             padded = max(rows, self.min_rows)
             out = self._slot()
-            self._command(STEP_ALL if every else STEP, state.slot, out, padded, tokens, length)
-            for t in (input_ids, attention_mask):
-                self._talk(dist.broadcast, own_rows(t.to(torch.int64), 0, rows, padded).contiguous(), src=self.ctl)
+            mask = attention_mask.to(torch.int64)
+            # the ranks keep each slot's mask: a step whose mask extends it sends only its new columns, so a decode
+            # step moves the tokens in, not the whole context's mask (the check is on this host, no traffic)
+            keep = state.mask is not None and torch.equal(state.mask, mask[:, :length])
+            self._command(STEP_ALL if every else STEP, state.slot, out, padded, tokens, length, int(keep))
+            for t in (input_ids.to(torch.int64), mask[:, length:] if keep else mask):
+                self._talk(dist.broadcast, own_rows(t, 0, rows, padded).contiguous(), src=self.ctl)
             logits = torch.empty(padded, tokens if every else 1, self.config.vocab_size)
             for d in range(self.plan.mesh.dp):
                 for r in self.plan.token_sources(d):
                     lo, hi, _ = self.plan.rank_rows(padded, r)
                     self._talk(dist.recv, logits[lo:hi] if every else logits[lo:hi, 0], src=r, group=self._work)
             self._last = time.monotonic()
-            return logits[:rows], RankState(self, out, rows, length + tokens)
+            return logits[:rows], RankState(self, out, rows, length + tokens, mask)
 
     def host_past(self, past) -> Past:
         """The state in this process's memory (fetched from the ranks once)."""

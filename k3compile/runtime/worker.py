@@ -355,17 +355,18 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
 # ---- a server's rank (docs/architecture.md, "Serving a sharded artifact") ------------------------------------------
 # The controller (backends/sharded.py, the world's last rank) broadcasts a header of HEADER int64s over the world's
-# default group: (command, slot, slot out, rows, tokens, past length); then, by command:
-#   STEP: ids [rows, tokens] and mask [rows, past + tokens] broadcast; every rank runs its part of the step on the
-#         state in `slot` (-1: an empty state) and keeps the present in `slot out`; each token source sends the
-#         controller the last position's logits of its own rows.
+# default group: (command, slot, slot out, rows, tokens, past length, keep); then, by command:
+#   STEP: ids [rows, tokens] and the mask broadcast: with keep 0 the whole [rows, past + tokens], with keep 1 only
+#         its new columns [rows, tokens], appended to the mask the ranks kept with `slot` (an empty one for -1);
+#         every rank runs its part of the step on the state in `slot` (-1: an empty state) and keeps the present and
+#         the mask in `slot out`; each token source sends the controller the last position's logits of its own rows.
 #   STEP_ALL: as STEP, but the token sources send the logits of every position [rows, tokens, vocab] (verify).
 #   PUT:  the controller sends every rank its rows of a state (its layers, padded as own_rows pads), kept in `slot`.
 #   GET:  every rank that holds rows (holds_rows) sends the controller its own rows of `slot`'s state.
 #   FREE: `slot` is dropped.  NOOP: nothing (the controller's keep-alive).  STOP: the rank exits 0.
 # Rows are the physical batch the controller pads to (at least one row per token source of every replica); a rank's
 # part is plan.rank_rows(rows, rank). Nothing crosses but tensors of shapes both sides derive from the header.
-HEADER = 6
+HEADER = 7
 STOP, NOOP, FREE, PUT, GET, STEP, STEP_ALL = range(7)
 EMPTY = -1  # the slot of a state no token has entered
 READY, GO = "k3compile/serve/ready/", "k3compile/serve/go"  # the store's keys of the start
@@ -412,28 +413,35 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
         store.wait([GO], datetime.timedelta(seconds=START_S))
         set_collective(me.collective)
         slots: dict[int, list] = {}
+        masks: dict[int, torch.Tensor] = {}  # each slot's attention mask, all rows [rows, past]
         header = torch.zeros(HEADER, dtype=torch.int64)
         sources = set(plan.token_sources(p.replica))
         with torch.no_grad():
             while True:
                 me._talk("waiting for the controller", [ctl], dist.broadcast, header, src=ctl)
-                cmd, slot, out, rows, tokens, length = (int(x) for x in header)
+                cmd, slot, out, rows, tokens, length, keep = (int(x) for x in header)
                 if cmd == STOP:
                     return
                 if cmd in (NOOP, FREE):
                     slots.pop(slot, None)
+                    masks.pop(slot, None)
                     continue
                 lo, hi, padded = plan.rank_rows(rows, rank)
                 if cmd == PUT:
                     slots[slot] = me.recv(state_shapes(cfg, p.layers, padded, length), ctl)
+                    masks.pop(slot, None)
                 elif cmd == GET:
                     if holds_rows(plan, rank):
                         me.send([me.host(t)[:hi - lo] for t in slots[slot]], ctl)
                 elif cmd in (STEP, STEP_ALL):
                     ids = torch.empty(rows, tokens, dtype=torch.int64)
-                    mask = torch.empty(rows, length + tokens, dtype=torch.int64)
+                    mask = torch.empty(rows, tokens if keep else length + tokens, dtype=torch.int64)
                     for t in (ids, mask):
                         me._talk("receiving a step", [ctl], dist.broadcast, t, src=ctl)
+                    if keep:
+                        kept = masks[slot] if slot != EMPTY else torch.zeros(rows, 0, dtype=torch.int64)
+                        mask = torch.cat([kept, mask], dim=1)
+                    masks[out] = mask
                     past = slots[slot] if slot != EMPTY else [
                         torch.zeros(s) for s in state_shapes(cfg, p.layers, padded, 0)]
                     outs, head = me.forward(own_rows(ids, lo, hi, padded), own_rows(mask, lo, hi, padded), past)

@@ -764,3 +764,40 @@ def test_assert_matches_eager_runs_a_sharded_artifact_and_ends_its_ranks(sharded
     for _ in range(2):
         rows = assert_matches_eager(folder, prompts=PROMPTS, decode_steps=1)
         assert any(r["output"] == "logits" for r in rows)
+
+
+def test_a_sharded_decode_step_sends_only_the_new_mask_columns(sharded, references, monkeypatch):
+    """The ranks keep each state's attention mask: a decode step broadcasts the ids and the mask's new column, not
+    the whole context's mask; a state that comes back from the host (PUT) gets the whole mask again, and both give
+    the same logits; the greedy tokens are eager's."""
+    import torch.distributed as dist
+
+    from k3compile.backends.sharded import ShardedBackend
+
+    eager, _ = references["k3-tiny"]
+    want = generate(eager, PROMPTS, 4, eos_token_id=None).tokens
+    backend = ShardedBackend(sharded[("k3-tiny", "ep=2", "all-reduce")], threads=1)
+    sent, real = [], dist.broadcast
+    monkeypatch.setattr(dist, "broadcast", lambda t, *a, **kw: sent.append(tuple(t.shape)) or real(t, *a, **kw))
+    try:
+        ids, mask = left_pad(PROMPTS, eager.config.pad_token_id)
+        state, got = backend.init_past(len(PROMPTS)), [[] for _ in PROMPTS]
+        for step in range(4):
+            sent.clear()
+            logits, state = backend.step_last(ids, mask, state)
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            for row, t in zip(got, ids[:, 0].tolist()):
+                row.append(t)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            if step:  # besides the command headers (a STEP, a FREE of the state before): ids [3, 1], the mask's
+                assert [s for s in sent if s != (7,)] == [(3, 1), (3, 1)], sent  # new column [3, 1]
+        assert got == want
+        host = backend.host_past(state)  # the state on the host, then PUT back: the whole mask goes again
+        sent.clear()
+        again, _ = backend.step_last(ids, mask, host)
+        assert (3, mask.shape[1]) in sent
+        kept, _ = backend.step_last(ids, mask, state)
+        assert torch.equal(again, kept)
+    finally:
+        monkeypatch.undo()
+        backend.close()
