@@ -176,7 +176,7 @@ class ShardedBackend:
                                  f"{tokens} tokens")
             padded = max(rows, self.min_rows)
             out = self._slot()
-            mask = attention_mask.to(torch.int64)
+            mask = attention_mask.to(torch.int64, copy=True)  # kept with the state: a caller may reuse its tensor
             # the ranks keep each slot's mask: a step whose mask extends it sends only its new columns, so a decode
             # step moves the tokens in, not the whole context's mask (the check is on this host, no traffic)
             keep = state.mask is not None and torch.equal(state.mask, mask[:, :length])
