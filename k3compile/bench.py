@@ -222,19 +222,13 @@ def _decode_once(engine, batch: int, steps: int, vocab: int) -> float:
 def _decode_at_past(engine, past: int, steps: int, vocab: int) -> float:
     """Tokens/s of `steps` batch-1 decode steps after a prompt of `past` tokens, prefilled in chunks of PAST_CHUNK
     (the graph takes new tokens after a past, so no step holds scores for the whole prompt at once)."""
+    import torch
+
+    from k3compile.generate import step_last_of
     from k3compile.llama_bench import LlamaBench
 
     if isinstance(engine, LlamaBench):
         return engine.decode(1, steps, past)
-    with glue_threads(engine):
-        return _decode_after(engine, past, steps, vocab)
-
-
-def _decode_after(engine, past: int, steps: int, vocab: int) -> float:
-    import torch
-
-    from k3compile.generate import step_last_of
-
     step = step_last_of(engine)
     gen = torch.Generator().manual_seed(past)
     state, done = engine.init_past(1), 0
@@ -296,8 +290,7 @@ def _decode_any(engine, batch: int, steps: int, vocab: int) -> float | None:
 
     if isinstance(engine, LlamaBench):  # its own tool, in a fresh process, after the same prompt
         return engine.decode(batch, steps, PROMPT)
-    with glue_threads(engine):  # torch's threads held as generate holds them (threads.py)
-        return _decode_once(engine, batch, steps, vocab)
+    return _decode_once(engine, batch, steps, vocab)
 
 
 def _prefill_any(engine, length: int, vocab: int) -> float:
@@ -305,8 +298,7 @@ def _prefill_any(engine, length: int, vocab: int) -> float:
 
     if isinstance(engine, LlamaBench):
         return engine.prefill(length)
-    with glue_threads(engine):
-        return _prefill_once(engine, length, vocab)
+    return _prefill_once(engine, length, vocab)
 
 
 def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
@@ -314,7 +306,8 @@ def _interleaved(engines: dict, repeats: int, measure: Callable) -> dict:
     for _ in range(repeats):
         for name, engine in engines.items():
             time.sleep(PAUSE_S)  # the previous backend's worker threads go idle before this one starts
-            runs[name].append(measure(engine))
+            with glue_threads(engine):  # torch's threads held as generate holds them (threads.py)
+                runs[name].append(measure(engine))
     return {name: {"median": _median(v), "runs": v} for name, v in runs.items()}
 
 
