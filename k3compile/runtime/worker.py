@@ -228,8 +228,10 @@ class Rank:
 
         parts = [(a, b) for a, b in even_slices(ids.shape[0], micro_batches) if b > a]
         logits, presents = [], []
-        for a, b in parts:  # one part: views of the whole tensors (no copy)
-            outs, head = self.forward(ids[a:b], mask[a:b], [t[a:b] for t in past])
+        for a, b in parts:  # one part: the tensors as they are (a GPU rank's past is device tensors, not sliceable)
+            whole = len(parts) == 1
+            outs, head = self.forward(ids if whole else ids[a:b], mask if whole else mask[a:b],
+                                      past if whole else [t[a:b] for t in past])
             logits.append(outs[0] if self.p.last else None)
             presents.append(outs[head:])
         present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
