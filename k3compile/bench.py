@@ -617,11 +617,13 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
     rows = {}
     for key in folders:
         ranks = last[key]["ranks"]
-        per_token = {op: sum(r["bytes_per_token"][op] for r in ranks)
-                     for op in ("all_reduce", "all_to_all", "send", "broadcast")}
+        ops = ("all_reduce", "all_to_all", "send", "broadcast")
+        per_token = {op: sum(r["bytes_per_token"][op] for r in ranks) for op in ops}
+        planned = {op: sum(r["predicted_bytes_per_step"][op] / r["rows"] for r in ranks) for op in ops}
         rows[key] = {"ranks": len(ranks), "threads_per_rank": default_threads(len(ranks)),
                      "decode_tokens_per_s": _median(speed[key]), "samples": speed[key],
                      "vs_first": _median(speed[key]) / first, "bytes_per_token": per_token,
+                     "plan_bytes_per_token": planned,  # the all-to-all's: expected under uniform routing
                      "bytes_per_token_by_rank": [r["bytes_per_token"] for r in ranks]}
     return {"source": source, "batch": batch, "decode_steps": steps, "repeats": repeats,
             "machine": {"platform": platform.platform(), "cores": available_cores()},
@@ -629,12 +631,14 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
 
 
 def mesh_table(result: dict) -> str:
-    """The README table of run_mesh_bench: bytes per decode token summed over the ranks."""
-    lines = ["| mesh, dispatch | ranks x threads | decode tok/s (vs first) | all-reduce B/token | all-to-all B/token | "
-             "send B/token | broadcast B/token |", "|---|---|---|---|---|---|---|"]
+    """The README table of run_mesh_bench: bytes per decode token summed over the ranks (the all-to-all's measured,
+    and the plan's expectation under uniform routing beside it)."""
+    lines = ["| mesh, dispatch | ranks x threads | decode tok/s (vs first) | all-reduce B/token | all-to-all B/token "
+             "(plan) | send B/token | broadcast B/token |", "|---|---|---|---|---|---|---|"]
     for key, r in result["meshes"].items():
-        b = r["bytes_per_token"]
+        b, plan = r["bytes_per_token"], r.get("plan_bytes_per_token", {}).get("all_to_all")
+        a2a = f"{b['all_to_all']:,.0f}" + (f" ({plan:,.0f})" if plan else "")
         lines.append(f"| {key.replace('_', '-')} | {r['ranks']} x {r['threads_per_rank']} | "
                      f"{r['decode_tokens_per_s']:.1f} ({r['vs_first']:.2f}x) | {b['all_reduce']:,.0f} | "
-                     f"{b['all_to_all']:,.0f} | {b['send']:,.0f} | {b['broadcast']:,.0f} |")
+                     f"{a2a} | {b['send']:,.0f} | {b['broadcast']:,.0f} |")
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from k3compile.manifest import SHARDED_KIND as KIND
 from k3compile.model.k3 import Carry, K3ForCausalLM
 from k3compile.modes import Forms
 from k3compile.sharding import Mesh, RankPlan, ShardPlan, carry_names, make_plan
+from k3compile.sharding.plan import A2A_DISPATCH, A2A_OUTPUTS
 
 # ---- one rank's graph -----------------------------------------------------------------------------------------
 
@@ -148,9 +149,10 @@ class _Reduce:
 
 class _Exchange:
     """MoE.exchange of layer `tag` over an expert-parallel group holding `slices`: every token slot's latent vector,
-    expert id and weight go to the rank holding that expert, in one block per destination with room for all of this
-    rank's slots (static shapes, nothing dropped; slots for other ranks are zero, id -1); each rank runs its experts
-    on what arrives (MoE.routed_local) and sends the weighted outputs back, where each token sums its slots."""
+    expert id and weight (one fp32 row: plan.A2A_PARTS) go to the rank holding that expert, in one block per
+    destination with room for all of this rank's slots (static shapes, nothing dropped; slots for other ranks are
+    zero, id -1); each rank runs its experts on what arrives (MoE.routed_local) and sends the weighted outputs back,
+    where each token sums its slots. The runtime moves only the routed rows (runtime/worker.py, Rank._exchange)."""
 
     def __init__(self, tag: int, slices: tuple[tuple[int, int], ...]) -> None:
         self.tag, self.bounds, self.group = tag, [b for _, b in slices[:-1]], len(slices)
@@ -162,13 +164,13 @@ class _Exchange:
         g, d = self.group, z.shape[-1]
         owner = (idx.unsqueeze(-1) >= torch.tensor(self.bounds, dtype=idx.dtype)).sum(-1)  # [n, k]: its rank
         hit = owner.unsqueeze(0) == torch.arange(g, dtype=owner.dtype).view(g, 1, 1)  # [g, n, k]
-        tokens = torch.where(hit.unsqueeze(-1), z.view(1, n, 1, d), 0.0).reshape(g, n * k, d)
-        ids = torch.where(hit, idx.unsqueeze(0), -1).reshape(g, n * k)
-        weights = torch.where(hit, w.unsqueeze(0), 0.0).reshape(g, n * k)
-        tokens, ids, weights = (all_to_all(t, self.tag, part) for part, t in enumerate((tokens, ids, weights)))
-        y = moe.routed_local(tokens.reshape(g * n * k, d), ids.reshape(g * n * k, 1), weights.reshape(g * n * k, 1),
-                             act_quant)
-        back = all_to_all(y.reshape(g, n * k, -1), self.tag, 3)
+        vectors = torch.where(hit.unsqueeze(-1), z.float().view(1, n, 1, d), 0.0)
+        ids = torch.where(hit, idx.unsqueeze(0), -1).float()  # exact in fp32 below 2**24: .long() gives them back
+        weights = torch.where(hit, w.float().unsqueeze(0), 0.0)
+        slots = torch.cat([vectors, ids.unsqueeze(-1), weights.unsqueeze(-1)], dim=-1).reshape(g, n * k, d + 2)
+        got = all_to_all(slots, self.tag, A2A_DISPATCH).reshape(g * n * k, d + 2)
+        y = moe.routed_local(got[:, :d].to(z.dtype), got[:, d:d + 1].long(), got[:, d + 1:], act_quant)
+        back = all_to_all(y.reshape(g, n * k, -1), self.tag, A2A_OUTPUTS)
         return back.reshape(g, n, k, -1).sum(dim=(0, 2))
 
 
@@ -284,7 +286,6 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
     from k3compile.export import ACTIVATIONS, carry_tokenizer, check_format, source_paths, trace_graph
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
-    from k3compile.passes.device_legalize import narrows_int64
     from k3compile.source import record
     from k3compile.targets import resolve
 
@@ -369,8 +370,6 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             "dense_weights": dense_format(next(iter(builds.values()))[3]),
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
             **({"tokenizer": tokenizer} if tokenizer else {}),
-            # the all-to-all's expert ids on the wire: int32 where the target has no int64 (passes/device_legalize.py)
-            "expert_id_bytes": 4 if narrows_int64(tgt) else 8,
             "build_s": round(time.perf_counter() - t0, 3), "files": files,
         }
         write_json(w.path / MANIFEST, manifest)

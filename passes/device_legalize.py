@@ -26,6 +26,12 @@ moves or reads the 0 / 1 int32 as it is, so no bool buffer is left. A boolean pa
 int32 the same way. `where(c, b, False)` on booleans is written `logical_and(c, b)` (and `where(c, True, b)` as
 `logical_or`): a boolean constant would reach a kernel as a buffer.
 
+WGSL cannot write an infinite constant (TVM's code generator prints `inff`, which the shader compiler refuses), and
+TVM lowers `isfinite(x)` through a comparison with infinity: ONNX's float-to-integer Cast, as TVM's importer takes
+it, is guarded by one. On such a target (`Limits.infinity` False) `isfinite(x)` becomes |x| <= the dtype's largest
+finite value (false for ±inf and for NaN, which compares false), a constant that `targets/gpu.exact_constants` then
+writes exactly.
+
 WGSL's and Metal's `pow(x, y)` are undefined for x < 0 (lavapipe gives NaN), where torch's x ** 2 is x · x: the
 RMS norms' squares came out NaN for every negative activation. On such a target (`Limits.pow_of_negative` False)
 `power(x, c)` with c a constant whole number 1..4 becomes the product of c factors of x, and any other power takes
@@ -53,7 +59,7 @@ def needed(target) -> bool:
     numbers, and so takes this pass."""
     limits = target.limits
     return limits is not None and (WIDE in limits.no_dtypes or BOOL in limits.no_buffer_dtypes
-                                   or not limits.pow_of_negative)
+                                   or not limits.pow_of_negative or not limits.infinity)
 
 
 def narrows_int64(target) -> bool:
@@ -93,7 +99,8 @@ def device_legalize(target):
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     ops = {name: tvm.ir.Op.get(f"relax.{name}")
-           for name in ("astype", "arange", "topk", "shape_to_tensor", "where", "power", "call_dps_packed")}
+           for name in ("astype", "arange", "topk", "shape_to_tensor", "where", "power", "call_dps_packed",
+                        "isfinite")}
     logical = [tvm.ir.Op.get(f"relax.logical_{name}") for name in ("and", "or", "xor", "not")]
 
     def is_bool(e) -> bool:
@@ -109,6 +116,7 @@ def device_legalize(target):
     narrow = narrows_int64(target)
     bool_storage = target.limits is not None and BOOL in target.limits.no_buffer_dtypes
     products = target.limits is not None and not target.limits.pow_of_negative
+    no_infinity = target.limits is not None and not target.limits.infinity
 
     def whole_exponent(e):
         """c of a scalar float constant 1..4 that is a whole number, else None."""
@@ -163,6 +171,11 @@ def device_legalize(target):
             return a  # (a tuple's constants are attributes: strided_slice's axes and bounds stay int64)
 
         def visit_call_(self, call):
+            if no_infinity and call.op.same_as(ops["isfinite"]):  # |x| <= the largest finite value: NaN compares false
+                x = self.visit_expr(call.args[0])
+                dtype = str(x.ty.dtype)
+                out = relax.op.less_equal(self.builder_.emit(relax.op.abs(x)), relax.const(np.finfo(dtype).max, dtype))
+                return self._stored(out) if bool_storage else out
             if products and call.op.same_as(ops["power"]) and whole_exponent(call.args[1]) is not None:
                 x = self.visit_expr(call.args[0])
                 out = x

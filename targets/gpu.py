@@ -29,6 +29,7 @@ class Limits:
     no_threads: tuple[str, ...] = ()     # thread axes the language lacks
     no_buffer_dtypes: tuple[str, ...] = ()  # element types the language has as values but cannot store in a buffer
     pow_of_negative: bool = True         # pow(x, 2) is x * x for x < 0 (WGSL's and Metal's pow: undefined)
+    infinity: bool = True                # the language can write an infinite constant (WGSL cannot: TVM's `inff`)
     why: dict = field(default_factory=dict)  # dtype / axis -> the reason, for the message
     bitcast: str = ""                    # the language's uint32 -> float bit cast (see exact_constants)
 

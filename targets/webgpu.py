@@ -15,7 +15,7 @@ _NO_INT = "WGSL has no 8-, 16- or 64-bit integers"
 LIMITS = Limits(
     "WGSL", max_threads=256, max_buffers=10, max_binding_bytes=128 * 2**20,
     no_dtypes=("uint8", "int8", "uint16", "int16", "uint64", "int64", "float64"), no_threads=("blockIdx.z",),
-    no_buffer_dtypes=("bool",), pow_of_negative=False,
+    no_buffer_dtypes=("bool",), pow_of_negative=False, infinity=False,
     why={**{t: _NO_INT for t in ("uint8", "int8", "uint16", "int16", "uint64", "int64")},
          "float64": "WGSL has no f64", "bool": "WGSL has no bool in a storage buffer"}, bitcast="bitcast<f32>")
 

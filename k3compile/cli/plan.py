@@ -39,8 +39,8 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
     folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
     and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
-    and at full width; a predicted decode step on the stated device (memory and link bandwidth). The meshes that
-    fit come first, fastest first."""
+    and at full width (the slots it routes, expected under uniform routing); a predicted decode step on the stated
+    device (memory and link bandwidth). The meshes that fit come first, fastest first."""
     from k3compile.presets import load_config
     from k3compile.sharding import Mesh, PlanError
     from k3compile.sharding.cost import Device, Sizes, candidate_meshes, does_not_fit, evaluate
@@ -85,7 +85,8 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
     t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB, "
                     f"{device_bandwidth:g} GB/s memory, {link_bandwidth:g} GB/s link ({dtype}, context {context}, "
                     f"batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
-                    "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D; "
+                    "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D (the "
+                    "routed slots, expected under uniform routing); "
                     "max ctx: the longest context every device holds at this batch; step: the predicted decode "
                     "step (memory-bound, one batch in flight), the meshes that fit first, fastest first")
     t.add_column("mesh", no_wrap=True)

@@ -84,7 +84,7 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
 def _stats(res) -> None:
     from rich.table import Table
 
-    t = Table(title="bytes per decode token, measured (plan)")
+    t = Table(title="bytes per decode token, measured (plan; the all-to-all's: expected under uniform routing)")
     ops = ("all_reduce", "all_to_all", "send", "broadcast")
     for col in ("rank", "rows", *(op.replace("_", "-") for op in ops)):
         t.add_column(col, justify="right")

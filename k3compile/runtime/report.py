@@ -27,7 +27,7 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
         steps = max(r["decode_steps"], 1)
         measured = {op: r["bytes_decode"].get(op, 0) / steps for op in ("all_reduce", "all_to_all", "send",
                                                                          "broadcast")}
-        predicted = step_bytes(cfg, plan, r["rank"], len(tokens), id_bytes=doc.get("expert_id_bytes", 8))
+        predicted = step_bytes(cfg, plan, r["rank"], len(tokens))
         ranks.append({"rank": r["rank"], "rows": rows, "own_rows": r["own_rows"], "padded_rows": r["padded_rows"],
                       "decode_steps": r["decode_steps"], "bytes_per_step": measured,
                       "bytes_per_token": {k: v / rows for k, v in measured.items()},

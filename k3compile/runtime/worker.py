@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3compile.errors import UserError
+from k3compile.sharding.plan import A2A_DISPATCH, A2A_ID_COLUMN
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a peer
 
@@ -134,6 +135,7 @@ class Rank:
     def expect_collectives(self) -> None:
         run = next(s for s in self.schedule if s["op"] == "run")
         self._calls = [(c["op"], c["tag"], c["part"]) for c in run["collectives"]]
+        self._open: dict = {}  # tag -> a layer's all-to-all selection, from its dispatch to its outputs (_exchange)
 
     def collective(self, op: str, x, out, tag: int, part: int) -> None:
         """ops/collectives.py's hook: the graph's all-reduce or all-to-all, over this rank's expert-parallel group."""
@@ -149,11 +151,43 @@ class Rank:
             self.stats.add(op, nbytes)
             out.copy_(x)
             self._talk(f"the all-reduce of layer {tag}", peers, dist.all_reduce, out, group=self.ep_group)
-        else:  # the blocks for the other ranks leave this one
-            group = self.plan.mesh.ep
-            self.stats.add(op, nbytes // group * (group - 1))
-            self._talk(f"the all-to-all of layer {tag}", peers, dist.all_to_all_single, out, x.contiguous(),
-                       group=self.ep_group)
+        else:
+            self._exchange(x, out, tag, part, peers)
+
+    def _exchange(self, x, out, tag: int, part: int, peers: list[int]) -> None:
+        """An all-to-all of the dispatch that moves only routed rows (docs/architecture.md, "All-to-all dispatch").
+
+        The graph's buffer x is [G, C, W]: block g for rank g, with room for all C of this rank's token slots. A
+        dispatch row is a slot's latent vector, expert id and weight, id -1 where the slot is not for that rank: the
+        rows with an id are the layer's selection, whose per-destination counts the ranks exchange first (G int64s
+        each); then exactly those rows go out, in the sender's slot order, with split sizes, and arrive packed at the
+        front of each source's block of `out` (the rest zeros with id -1: as a full buffer's empty slots are). The
+        outputs go back the other way, each source's first count rows, and land where the sender's selection was
+        (zeros elsewhere), so the graph's sum over blocks and slots is the full buffers' sum."""
+        import torch
+        import torch.distributed as dist
+
+        what = f"the all-to-all of layer {tag}"
+        if part == A2A_DISPATCH:
+            sel = x[..., A2A_ID_COLUMN] >= 0
+            counts = sel.sum(1).to(torch.int64)
+            arriving = torch.empty_like(counts)
+            self.stats.add("all_to_all", (len(counts) - 1) * counts.element_size())
+            self._talk(what, peers, dist.all_to_all_single, arriving, counts, group=self.ep_group)
+            room = torch.arange(x.shape[1]).unsqueeze(0) < arriving.unsqueeze(1)  # arrivals: each block's front
+            sent, got = counts.tolist(), arriving.tolist()
+            self._open[tag] = (sel, sent, room, got)
+        else:  # the outputs: back to where each row came from
+            room, got, sel, sent = self._open.pop(tag)
+        rows = x[sel]
+        buf = torch.empty((sum(got), *x.shape[2:]), dtype=x.dtype)
+        self.stats.add("all_to_all", (sum(sent) - sent[peers.index(self.p.rank)]) * x[0, 0].numel() * x.element_size())
+        self._talk(what, peers, dist.all_to_all_single, buf, rows, output_split_sizes=got, input_split_sizes=sent,
+                   group=self.ep_group)
+        out.zero_()
+        if part == A2A_DISPATCH:
+            out[..., A2A_ID_COLUMN] = -1
+        out[room] = buf
 
     def _talk(self, what: str, peers: list[int], fn, *args, **kw) -> None:
         """A torch.distributed call whose failure (a dead peer, a timeout) names this rank and its peers."""

@@ -4,21 +4,23 @@ bytes per decode step per collective. Shapes come from a meta-device model (no w
 Bytes are payload bytes a rank hands to a collective during one decode step (one new token for each of the B rows of
 its replica): an all-reduce counts the tensor each member contributes (a ring moves 2(n-1)/n of it over each link),
 a send its tensors, a broadcast its tensor at the source only. The runtime counts the same way, so its measured
-figures equal these (`k3compile run --stats`). `evaluate` prices both dispatch modes of a mesh; the all-to-all one
-at latent width D_e (as built) and, for comparison, at full width D. Its buffers have room for all of a rank's token
-slots in each destination (no token dropped, static shapes), so it moves (ep - 1) x top-k vectors per token and MoE
-layer each way: ep times what uniform routing needs, the price of never dropping a token.
+figures equal these (`k3compile run --stats`), but for the all-to-all dispatch's. `evaluate` prices both dispatch
+modes of a mesh; the all-to-all one at latent width D_e (as built) and, for comparison, at full width D. It moves
+exactly the token slots routed to other ranks (and a count per destination), which depends on the router: the plan
+prices the expectation under uniform routing, the runtime counts what moved.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from k3compile.config import K3Config
 from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_names, make_plan, slice_runs
 
 TOKEN_BYTES = 8  # int64 token ids
+COUNT_BYTES = 8  # an all-to-all's int64 row count for each destination
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -96,18 +98,25 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
 
 
 def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
-               width: int | None = None, id_bytes: int = TOKEN_BYTES) -> dict[str, int]:
+               width: int | None = None) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
     the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
-    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
-    `id_bytes`: an expert id's size on the wire (int64; int32 on a target without int64, whose graph is narrowed)."""
-    rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry
+    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch).
+
+    The all-to-all's figure is an expectation under uniform routing (each slot on expert e with probability 1/E):
+    per MoE layer a count to each other rank (int64), then the slots routed off this rank (the share of experts
+    others hold) out, each a latent vector and its fp32 expert id and weight, and the outputs of the slots that the
+    other ranks' equal row counts route here, back; each call's expectation in whole bytes (rounded, exactly:
+    Fraction)."""
+    rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry (padding rows are routed too)
     slots = rows * cfg.num_experts_per_token
     ep = plan.mesh.ep
+    lo, hi = plan.rank(rank).experts
+    here = Fraction(hi - lo, cfg.num_experts) if cfg.num_experts else Fraction(0)
+    moved = {"dispatch": 1 - here, "outputs": (ep - 1) * here}
     width = width or cfg.latent_size
-    a2a = {"tokens": width * dtype_bytes, "expert_ids": id_bytes, "weights": dtype_bytes,
-           "outputs": width * dtype_bytes}  # per token slot
+    a2a = {"dispatch": width * dtype_bytes + 2 * 4, "outputs": width * dtype_bytes}  # per token slot
     out = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     for step in plan.schedule(rank, cfg):
         if step["op"] == "run":
@@ -115,7 +124,8 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
                 if c["op"] == "all_reduce":
                     out["all_reduce"] += rows * cfg.latent_size * dtype_bytes
                 else:
-                    out["all_to_all"] += (ep - 1) * slots * a2a[c["tensor"]]
+                    counts = (ep - 1) * COUNT_BYTES if c["tensor"] == "dispatch" else 0
+                    out["all_to_all"] += counts + round(slots * moved[c["tensor"]] * a2a[c["tensor"]])
         elif step["op"] == "send":
             out["send"] += len(step["tensors"]) * rows * cfg.hidden_size * dtype_bytes
         elif step["op"] == "broadcast" and step["from"] == rank:

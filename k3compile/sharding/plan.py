@@ -12,8 +12,9 @@ closed blocks' summaries (`carry_names`). Two ways to join the expert slices (`d
 - "all_reduce": every rank of a stage computes all of its replica's rows; each MoE layer's latent partial sums are
   all-reduced (latent width, before the latent norm). Best for the small batches of decode.
 - "all_to_all": the ranks of a stage split the replica's rows (`rank_rows`, padded to one count: static shapes);
-  each MoE layer sends every token's latent vector, expert id and weight to the rank holding that expert, in
-  buffers with room for all of the sender's token slots (nothing is dropped), and the weighted outputs come back.
+  each MoE layer sends every token slot's latent vector, expert id and weight (one row) to the rank holding that
+  expert and the weighted outputs come back. The graph's buffers have room for all of the sender's slots (static shapes,
+  nothing is dropped); on the wire only the routed rows move, after a count per destination (runtime/worker.py).
 
 `schedule(rank)` is a rank's step: receive the carry, run its layers (with those collectives), send the carry on,
 then the new tokens are broadcast from the last stage. The plan imports neither TVM nor the weights; the manifest
@@ -134,7 +135,11 @@ def carry_names(cfg: K3Config, layer: int) -> list[str]:
 
 
 DISPATCH = ("all_reduce", "all_to_all")
-A2A_PARTS = ("tokens", "expert_ids", "weights", "outputs")  # what each all-to-all of one MoE layer moves
+# What each all-to-all of one MoE layer moves (its part): the dispatch's slots, each row the latent vector then its
+# expert id (fp32, exact below 2**24; -1 where the slot is not for that rank) and weight, and the outputs back.
+A2A_PARTS = ("dispatch", "outputs")
+A2A_DISPATCH, A2A_OUTPUTS = range(len(A2A_PARTS))
+A2A_ID_COLUMN = -2  # where a dispatch row holds its expert id
 
 
 @dataclass(frozen=True)

@@ -107,15 +107,39 @@ def final_states(backend, tokens: list[list[int]]):
     return past
 
 
-def accounted(cfg, plan, rank: int, rows: int, id_bytes: int = 8) -> dict:
+def decode_routing(eager, tokens: list[list[int]]) -> list[dict[int, torch.Tensor]]:
+    """Eager's router choices in each decode step the runtime runs (the prompts first, then each token but the last
+    fed back, padding after EOS): per step {MoE layer: [rows, top-k] expert ids}."""
+    cfg, model = eager.config, eager.model
+    pad = cfg.pad_token_id
+    steps: list[dict[int, torch.Tensor]] = []
+    hooks = [layer.block_sparse_moe.gate.register_forward_hook(
+        lambda mod, args, out, i=i: steps[-1].__setitem__(i, out[0].clone()) if steps else None)
+        for i, layer in enumerate(model.model.layers) if cfg.is_moe(i)]
+    try:
+        ids, mask = left_pad(PROMPTS, pad)
+        past = eager.init_past(len(PROMPTS))
+        for step in range(max(len(t) for t in tokens)):
+            _, past = eager.step(ids, mask, past)
+            ids = torch.tensor([[t[step] if step < len(t) else pad] for t in tokens])
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
+            steps.append({})
+    finally:
+        for h in hooks:
+            h.remove()
+    return steps[:-1]  # the last token is not fed back
+
+
+def accounted(cfg, plan, rank: int, rows: int, routing=None) -> dict:
     """The accounting rule, written out independently of sharding/cost.py, for a replica of `rows` rows. All-reduce
     dispatch: per decode step a rank all-reduces one [rows, latent] fp32 tensor per MoE layer of its stage when
     ep > 1, sends every carry tensor ([rows, 1, hidden] fp32: the residual and the AttnRes summaries closed before
     its last layer) to the next stage, and the last stage's first shard broadcasts the rows' int64 tokens.
-    All-to-all: a rank holds ceil(rows / ep) rows (padded), and per MoE layer sends to each of the ep - 1 others a
-    block with room for all its rows x top-k slots, four times: latent vectors (fp32), expert ids (int64), weights
-    (fp32), outputs (fp32); every shard of the last stage broadcasts its rows' tokens. `id_bytes`: 4 on WebGPU,
-    whose WGSL has no int64 (the ids are int32 in its ranks' graphs)."""
+    All-to-all: a rank holds ceil(rows / ep) rows (padded by repeating its last), and per MoE layer sends each of
+    the ep - 1 others an int64 count, then exactly the slots eager's router (`routing`: decode_routing) sends to
+    experts outside its slice (a row of the fp32 latent vector, expert id and weight each), and back the fp32 outputs
+    of the slots the other ranks' rows route into its slice; every shard of the last stage broadcasts its rows'
+    tokens."""
     d, s, e = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
@@ -125,8 +149,21 @@ def accounted(cfg, plan, rank: int, rows: int, id_bytes: int = 8) -> dict:
     ep = plan.mesh.ep
     if plan.dispatch == "all_to_all":
         held = -(-rows // ep)
-        slot = cfg.latent_size * 4 + id_bytes + 4 + cfg.latent_size * 4
-        return {"all_reduce": 0, "all_to_all": moe * (ep - 1) * held * cfg.num_experts_per_token * slot,
+        group = plan.ep_group(rank)
+
+        def owners(r, layer_ids):  # the shard holding each slot's expert, of rank r's rows padded
+            lo, hi, padded = plan.rank_rows(rows, r)
+            mine = layer_ids[list(range(lo, hi)) + [hi - 1] * (padded - (hi - lo))]
+            return sum((mine >= hi_e).long() for _, hi_e in plan.slices[:-1])
+
+        moved = 0
+        for step in routing:
+            for i in range(a, b):
+                if cfg.is_moe(i):
+                    out = int((owners(rank, step[i]) != e).sum())
+                    back = sum(int((owners(r, step[i]) == e).sum()) for r in group if r != rank)
+                    moved += (ep - 1) * 8 + out * (cfg.latent_size + 2) * 4 + back * cfg.latent_size * 4
+        return {"all_reduce": 0, "all_to_all": moved / len(routing),
                 "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0}
     return {"all_reduce": moe * rows * cfg.latent_size * 4 if ep > 1 else 0, "all_to_all": 0,
             "send": 0 if last else carry * rows * cfg.hidden_size * 4,
@@ -194,13 +231,13 @@ def webgpu_sharded(tmp_path_factory):
 
 
 def test_webgpu_ranks_decode_the_tokens_of_eager(webgpu_sharded, references, tmp_path):
-    """WebGPU ranks (lavapipe): each rank's launch plan on its adapter, its all-to-alls (the int32 expert ids of a
-    narrowed graph among them) staged through host memory over gloo. Tokens equal eager, states those of the
-    single-process build, bytes measured = plan = the rule with 4-byte ids."""
+    """WebGPU ranks (lavapipe): each rank's launch plan on its adapter, its all-to-alls (fp32 rows, the expert ids
+    among them: nothing int64 crosses) staged through host memory over gloo. Tokens equal eager, states those of
+    the single-process build, bytes measured = the rule from eager's routing."""
     import json
 
     doc = json.loads((webgpu_sharded / "manifest.json").read_text())
-    assert doc["target"] == "webgpu" and doc["expert_id_bytes"] == 4
+    assert doc["target"] == "webgpu"
     for r in doc["ranks"]:
         plan = json.loads((webgpu_sharded / r["launch_plan"]).read_text())
         externs = [b for b in plan["main"]["bindings"] if b["op"] == "extern"]
@@ -254,10 +291,22 @@ def check_decode(folder, dispatch, eager, tvm, tmp_path, micro_batches: int = 1)
             expect = ref[i][0 if which in ("latent", "conv_state") else 1].numpy()[lo:hi]
             np.testing.assert_allclose(got[name][:hi - lo], expect, rtol=0, atol=STATE_ATOL, err_msg=f"rank {r} {name}")
 
+    routing = decode_routing(eager, want) if plan.dispatch == "all_to_all" else None
     for row in res["ranks"]:
         assert row["decode_steps"] == max(len(t) for t in want) - 1
-        rule = accounted(cfg, plan, row["rank"], row["rows"], id_bytes=4 if doc["target"] == "webgpu" else 8)
-        assert row["bytes_per_step"] == row["predicted_bytes_per_step"] == rule, row
+        rule = accounted(cfg, plan, row["rank"], row["rows"], routing)
+        assert row["bytes_per_step"] == rule, row
+        predicted = row["predicted_bytes_per_step"]
+        if routing is None:
+            assert predicted == rule, row
+        else:  # the plan's all-to-all is an expectation under uniform routing; the rest is exact
+            assert {k: v for k, v in predicted.items() if k != "all_to_all"} == \
+                {k: v for k, v in rule.items() if k != "all_to_all"}, row
+            full = plan.mesh.ep - 1  # the static buffers: every slot to every other rank, both ways
+            slots = -(-row["rows"] // plan.mesh.ep) * cfg.num_experts_per_token
+            buffers = sum(cfg.is_moe(i) for i in range(*plan.rank(row["rank"]).layers)) * full * slots * (
+                cfg.latent_size * 2 + 2) * 4
+            assert 0 < row["bytes_per_step"]["all_to_all"] < buffers, row
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])

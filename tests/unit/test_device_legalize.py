@@ -110,3 +110,31 @@ def test_after_fusion_no_kernel_of_main_takes_int64_or_bool():
 def test_a_constant_that_does_not_fit_is_refused_naming_it():
     with pytest.raises(ExportError, match=r"int64 constant of the graph \(4294967296\) does not fit in 32 bits"):
         run_phases(_module(big_constant=2**32), resolve("webgpu"), start="device-legalize", upto="device-legalize")
+
+
+def _finite_guard():
+    """main(x f32 [n]): the guard in front of ONNX's float-to-integer Cast as TVM's importer writes it (non-finite
+    values to 0, through isfinite)."""
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n], "float32"))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x], attrs={"num_input": 1}):
+        with bb.dataflow():
+            clean = bb.emit(op.where(op.logical_not(op.isfinite(x)), relax.const(0.0, "float32"), x))
+            out = bb.emit_output(relax.Tuple([clean]))  # (the cast after it: of finite values only)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_isfinite_is_written_without_an_infinity_for_wgsl():
+    """WGSL cannot write an infinite constant (TVM prints `inff`, which wgpu's shader compiler refuses: a sharded
+    WebGPU rank's all-to-all casts its fp32 expert ids back to integers): isfinite becomes |x| <= FLT_MAX, with the
+    same truth for ±inf, NaN, the largest finite values and ordinary ones."""
+    before = _finite_guard()
+    after = device_legalize(resolve("webgpu"))(before)
+    assert "isfinite" in before.script() and "isfinite" not in after.script()
+    big = np.finfo(np.float32).max
+    x = np.array([np.inf, -np.inf, np.nan, big, -big, 3.7, -2.2, 0.0], np.float32)
+    want, got = _run(before, [x])[0], _run(after, [x])[0]
+    assert np.array_equal(got, want) and np.array_equal(got, np.where(np.isfinite(x), x, 0))
