@@ -34,8 +34,12 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
 @click.option("--link-bandwidth", "link_bandwidth", default=100.0, show_default=True,
               type=FiniteFloat(min=0, min_open=True, max=1e9),
               help="GB/s a device sends to its peers at (all its collectives share it).")
+@click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=SIZE,
+              help="Price each mesh with pp > 1 running its rows as this many micro-batches (run --micro-batches; "
+                   "at most a replica's rows).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def command(source, devices, mesh, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, as_json):
+def command(source, devices, mesh, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth,
+            micro_batches, as_json):
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
     folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
     and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
@@ -59,12 +63,17 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
                 raise PlanError(f"{cfg.name} cannot be split over {devices} devices")
         if batch < max(m.dp for m in meshes) and mesh is not None:
             raise PlanError(f"mesh {meshes[0]}: dp={meshes[0].dp} needs a batch of at least {meshes[0].dp}")
+        if mesh is not None and micro_batches > 1 and meshes[0].pp == 1:
+            raise PlanError(f"--micro-batches {micro_batches}: mesh {meshes[0]} has no stages to overlap (pp=1)")
+        if mesh is not None and micro_batches > batch // meshes[0].dp:
+            raise PlanError(f"--micro-batches {micro_batches}: above the {batch // meshes[0].dp} rows a replica of "
+                            f"mesh {meshes[0]} decodes")
         meshes = [m for m in meshes if m.dp <= batch]
         if not meshes:
             raise PlanError(f"every mesh of {devices} devices needs a batch of at least its dp; raise --batch")
         sizes = Sizes.of(cfg)
         device = Device(bandwidth=device_bandwidth * 1e9, link=link_bandwidth * 1e9)
-        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device) for m in meshes]
+        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device, micro_batches) for m in meshes]
         rows.sort(key=lambda r: (not r["fits"], r["predicted"]["step_s"]))  # stable: equal times keep their order
         if mesh is not None and not rows[0]["fits"]:
             raise PlanError(does_not_fit(rows[0], memory))
@@ -74,12 +83,13 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
     if as_json:
         click.echo(dumps({"source": source, "devices": devices, "context": context, "batch": batch, "dtype": dtype,
                           "device_memory": memory, "device_bandwidth": device.bandwidth,
-                          "link_bandwidth": device.link, "meshes": rows}, indent=2))
+                          "link_bandwidth": device.link, "micro_batches": micro_batches, "meshes": rows}, indent=2))
         return
-    _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth)
+    _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, micro_batches)
 
 
-def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth) -> None:
+def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth,
+           micro_batches) -> None:
     from rich.table import Table
 
     t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB, "
@@ -88,7 +98,9 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
                     "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D (the "
                     "routed slots, expected under uniform routing); "
                     "max ctx: the longest context every device holds at this batch; step: the predicted decode "
-                    "step (memory-bound, one batch in flight), the meshes that fit first, fastest first")
+                    "step (memory-bound, " + (f"{micro_batches} micro-batches in flight where pp > 1" if
+                                              micro_batches > 1 else "one batch in flight") + "), the meshes "
+                    "that fit first, fastest first")
     t.add_column("mesh", no_wrap=True)
     for col in ("dense", "experts", "state", "total", "fits", "max ctx", "step ms", "tok/s", "all-reduce", "send",
                 "a2a D_e", "a2a D", "D_e/D"):

@@ -201,7 +201,7 @@ def alike_ranks(plan: ShardPlan, batch: int) -> list[tuple[int, int]]:
 
 
 def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
-             device_memory: int, device: Device = DEFAULT_DEVICE) -> dict:
+             device_memory: int, device: Device = DEFAULT_DEVICE, micro_batches: int = 1) -> dict:
     """One mesh's row of `k3compile plan`: the fullest device's memory by kind (its lowest rank), whether it fits,
     and the bytes per decode token by collective summed over the mesh (with the all-to-all dispatch alternative,
     latent and full width), and the longest context the devices hold at this batch (`max_context`: the KDA state is
@@ -210,9 +210,15 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
 
     `predicted`: the decode step's time on `device` (memory-bound: each rank's read bytes over the bandwidth, plus
     its collectives over the link, in sequence as a decode step runs them layer by layer), the slowest rank of each
-    stage, the stages one after the other (one batch in flight: no micro-batches), the replicas side by side."""
+    stage, the stages one after the other, the replicas side by side. With `micro_batches` M (`run --micro-batches`,
+    at pp > 1; at most a replica's rows) each stage runs M micro-batches of ceil(rows / M) rows, stage s on m while
+    s + 1 runs m - 1 (Rank.step): the step is the stages' times for one micro-batch plus M - 1 times the slowest
+    stage's. A micro-batch reads its stage's dense weights again, so where those dominate (memory-bound decode) M > 1
+    predicts a slower step: the model has no compute, where micro-batches would pay. `stage_s`: each stage's time
+    for one micro-batch (the whole batch at M = 1)."""
     plan = make_plan(cfg, mesh)
     w = DTYPE_BYTES[dtype]
+    parts = micro_parts(mesh, batch, micro_batches)
     worst: dict | None = None
     total = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
@@ -232,8 +238,9 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
         moved = step_bytes(cfg, plan, r, batch, w)
         for k, v in moved.items():
             total[k] += count * v
-        seconds = rank_read_bytes(cfg, sizes, p, b, context, w) / device.bandwidth + link_seconds(moved, mesh.ep,
-                                                                                                   device)
+        part = -(-b // parts)  # the largest micro-batch's rows; its collectives carry that share of the step's bytes
+        seconds = rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth + link_seconds(
+            {k: v * part / b for k, v in moved.items()}, mesh.ep, device)
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
     if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
@@ -244,7 +251,8 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             full += count * step_bytes(cfg, other, r, batch, w, cfg.hidden_size)["all_to_all"]
         a2a = {"latent": latent / batch, "full_width": full / batch}
     assert worst is not None
-    step = max(sum(stages[(d, st)] for st in range(mesh.pp)) for d in range(mesh.dp) if (d, 0) in stages)
+    times = [[stages[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in stages]
+    step = max(sum(t) + (parts - 1) * max(t) for t in times)  # one micro-batch through, then M - 1 at the slowest
     return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
@@ -253,8 +261,14 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a,
             "predicted": {"step_s": step, "tokens_per_s": batch / step,
                           "stage_s": [max(stages[(d, st)] for d in range(mesh.dp) if (d, st) in stages)
-                                      for st in range(mesh.pp)],
+                                      for st in range(mesh.pp)], "micro_batches": parts,
                           "device_bandwidth": device.bandwidth, "link_bandwidth": device.link}}
+
+
+def micro_parts(mesh: Mesh, batch: int, micro_batches: int) -> int:
+    """The micro-batches a mesh runs for `micro_batches` asked: 1 without stages to overlap (pp = 1), at most the
+    smallest replica's rows (`run` refuses more)."""
+    return 1 if mesh.pp == 1 else max(1, min(micro_batches, batch // mesh.dp))
 
 
 def does_not_fit(row: dict, device_memory: int) -> str:

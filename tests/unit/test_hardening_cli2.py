@@ -109,6 +109,7 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
             "all_to_all_per_token": {"latent": latent / batch, "full_width": full / batch},
             "predicted": {"step_s": step, "tokens_per_s": batch / step,
                           "stage_s": [max(stages[(d, s)] for d in range(mesh.dp)) for s in range(mesh.pp)],
+                          "micro_batches": 1,
                           "device_bandwidth": dev.bandwidth, "link_bandwidth": dev.link}}
 
 

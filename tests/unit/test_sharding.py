@@ -244,6 +244,24 @@ def test_the_predicted_decode_step_follows_the_hand_rule_on_k3():
                       device=Device(bandwidth=2e12, link=1e11))
     assert faster["predicted"]["step_s"] < row["predicted"]["step_s"]
 
+    # 4 micro-batches of 2 rows (run --micro-batches 4): a stage reads its dense weights for each, its experts as
+    # 2 x 16 picks touch them, its states and caches for 2 rows, its collectives carry 2/8 of the step's bytes; the
+    # step is one micro-batch through the 8 stages, then 3 more behind the slowest
+    mb = evaluate(k3, sizes, mesh, batch=b, context=ctx, dtype="bf16", device_memory=64 << 30, device=dev,
+                  micro_batches=4)
+    touched = 1 - (1 - 1 / 896) ** (2 * 16)
+    read = (rank_weights(k3, sizes, p, 2)["dense"] - 163840 * 7168 * 2 + 2 * 7168 * 2 + round(
+        11 * 112 * per_expert * touched) + 3 * 2 * (ctx + 1) * (512 + 64) * 2
+        + 2 * 9 * 2 * (3 * 96 * 128 * 3 * 2 + 96 * 128 * 128 * 4))
+    stages = mb["predicted"]["stage_s"]
+    assert mb["predicted"]["micro_batches"] == 4
+    assert stages[0] == pytest.approx(read / 1e12 + link * 2 / 8, rel=1e-9)
+    assert mb["predicted"]["step_s"] == pytest.approx(sum(stages) + 3 * max(stages), rel=1e-12)
+    assert mb["predicted"]["step_s"] > row["predicted"]["step_s"]  # memory-bound: each micro-batch reads it all
+    one_stage = evaluate(k3, sizes, Mesh(64), batch=b, context=ctx, dtype="bf16", device_memory=64 << 30,
+                         device=dev, micro_batches=4)
+    assert one_stage["predicted"]["micro_batches"] == 1  # nothing to overlap at pp = 1
+
 
 def _plan(*args):
     return subprocess.run([sys.executable, "-m", "k3compile.cli", "plan", *args], capture_output=True, text=True)
@@ -259,6 +277,14 @@ def test_plan_cli_table_json_and_refusal():
     assert all(abs(r["all_to_all_per_token"]["latent"] * 2 / r["all_to_all_per_token"]["full_width"] - 1) < 1e-2
                for r in doc["meshes"] if r["ep"] > 1)
     assert any(r["fits"] for r in doc["meshes"]) and not all(r["fits"] for r in doc["meshes"])
+    res = _plan("k3", "--devices", "64", "--batch", "4", "--micro-batches", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert {(r["pp"] > 1) + 1 for r in json.loads(res.stdout)["meshes"]} == \
+        {r["predicted"]["micro_batches"] for r in json.loads(res.stdout)["meshes"]} == {1, 2}
+    for args, why in ((["--mesh", "ep=64", "--micro-batches", "2"], "no stages to overlap (pp=1)"),
+                      (["--mesh", "ep=8,pp=8", "--micro-batches", "5"], "above the 4 rows a replica")):
+        res = _plan("k3", "--devices", "64", "--batch", "4", *args)
+        assert res.returncode == 1 and res.stderr.count("Error:") == 1 and why in res.stderr, res.stderr
     res = _plan("k3", "--devices", "8", "--mesh", "ep=8")
     assert res.returncode == 1 and res.stdout == "" and res.stderr.count("Error:") == 1
     assert "rank 0 needs" in res.stderr and "experts_mxfp4" in res.stderr and "64.0 GiB" in res.stderr
