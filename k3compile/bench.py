@@ -569,11 +569,13 @@ def chart(result: dict, path: str | Path) -> None:
 
 def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: int = 32, repeats: int = 3,
                    progress: Callable[[str], None] | None = None,
-                   dispatches: tuple[str, ...] = ("all_reduce",), micro_batches: tuple[int, ...] = (1,)) -> dict:
+                   dispatches: tuple[str, ...] = ("all_reduce",), micro_batches: tuple[int, ...] = (1,),
+                   wires: tuple[str, ...] = ("fp32",)) -> dict:
     """Distributed decode of SOURCE over each mesh (`k3compile run` on this machine), a mesh with ep > 1 once per
-    dispatch, a mesh with pp > 1 once per micro-batch count: decode tokens/s (interleaved repetitions, medians,
-    ratio to the first) and bytes per decode token by collective (measured; the same in every repetition). Each rank
-    runs max(1, cores / ranks) threads; with more ranks than cores they share cores, which the figures include."""
+    dispatch, a mesh with pp > 1 once per micro-batch count, an all-to-all once per wire dtype: decode tokens/s
+    (interleaved repetitions, medians, ratio to the first) and bytes per decode token by collective (measured; the
+    same in every repetition). Each rank runs max(1, cores / ranks) threads; with more ranks than cores they share
+    cores, which the figures include."""
     import platform
 
     import torch
@@ -597,20 +599,22 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
         if max(micro_batches) > -(-batch // mesh.dp):
             raise PlanError(f"--micro-batches {max(micro_batches)}: above the {-(-batch // mesh.dp)} rows a replica "
                             f"of --mesh {m} decodes (--decode-batches)")
-    variants = [(m, d, n) for m, d in runs for n in (micro_batches if Mesh.parse(m).pp > 1 else (1,))]
+    variants = [(m, d, n, wire) for m, d in runs for n in (micro_batches if Mesh.parse(m).pp > 1 else (1,))
+                for wire in (wires if d == "all_to_all" else ("fp32",))]
     check_run(config, ("tvm",), (batch,), steps, (), MESH_PROMPT + 1)  # its first new token is the prompt's
     built = {(m, d): cached_sharded(source, m, progress=step, dispatch=d) for m, d in runs}
-    folders = {f"{m} {d}" + (f" mb{n}" if len(micro_batches) > 1 and Mesh.parse(m).pp > 1 else ""): (built[m, d], n)
-               for m, d, n in variants}
+    folders = {f"{m} {d}" + (f" mb{n}" if len(micro_batches) > 1 and Mesh.parse(m).pp > 1 else "")
+               + (f" {wire}" if len(wires) > 1 and d == "all_to_all" else ""): (built[m, d], n, wire)
+               for m, d, n, wire in variants}
     vocab = read_config(next(iter(built.values())) / "config.json").vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (MESH_PROMPT,), generator=gen).tolist() for _ in range(batch)]
     speed: dict[str, list[float]] = {k: [] for k in folders}
     last: dict[str, dict] = {}
     for r in range(repeats):
-        for key, (folder, n) in folders.items():
+        for key, (folder, n, wire) in folders.items():
             step(f"repetition {r + 1}/{repeats}: {key}")
-            res = run(folder, Options(prompts, steps + 1, micro_batches=n))
+            res = run(folder, Options(prompts, steps + 1, micro_batches=n, wire=wire))
             speed[key].append(res["decode_tokens_per_s"])
             last[key] = res
     first = _median(speed[next(iter(folders))])

@@ -121,6 +121,9 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.option("--micro-batches", "micro_batches", default="1", show_default=True, callback=_sizes,
               help="With --mesh: comma-separated micro-batch counts; a mesh with pp > 1 runs once per count (`run "
                    "--micro-batches`).")
+@click.option("--wire-dtype", "wires", default="fp32", show_default=True, callback=_names(("fp32", "bf16")),
+              help="With --mesh: comma-separated fp32, bf16; an all-to-all run goes once per wire dtype (`run "
+                   "--wire-dtype`).")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None, metavar="PATH",
               help="Also run llama.cpp: its llama-bench binary (llama-batched-bench beside it runs decode batches "
                    "above 1), interleaved with the backends' repetitions, same threads; needs --gguf.")
@@ -143,7 +146,7 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="With --serve: tokens each client's request generates.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, decode_past, target, json_path,
-            png_path, meshes, dispatches, micro_batches, llama_bench, gguf, allow_busy, serve, serve_prefix,
+            png_path, meshes, dispatches, micro_batches, wires, llama_bench, gguf, allow_busy, serve, serve_prefix,
             serve_suffix, serve_clients, serve_tokens, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
@@ -186,7 +189,7 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
 
             with status(f"benchmarking {source} over {len(meshes)} meshes", quiet) as step:
                 result = run_mesh_bench(source, meshes, decode_batches[0], decode_steps, repeats, step,
-                                        tuple(DISPATCH_FLAGS[d] for d in dispatches), micro_batches)
+                                        tuple(DISPATCH_FLAGS[d] for d in dispatches), micro_batches, wires)
             if json_path is not None:
                 _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
             click.echo(mesh_table(result))

@@ -38,12 +38,15 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
 @click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=IntRange(1, 4096),
               help="Run each step's rows as this many micro-batches so that pipeline stages overlap (pp > 1, llvm "
                    "ranks; at most the rows a replica decodes).")
+@click.option("--wire-dtype", "wire", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="The all-to-all dispatch's latent vectors on the wire: fp32 (exact, as the graph computes them) "
+                   "or bf16 (half the bytes, each vector rounded; the expert ids and weights stay exact).")
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, nnodes, node_rank,
-            rendezvous, devices, micro_batches, stats, as_json, quiet):
+            rendezvous, devices, micro_batches, wire, stats, as_json, quiet):
     """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank on this machine, talking
     over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
     --nnodes, --node-rank and --rendezvous (README)."""
@@ -58,7 +61,7 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
         try:
             res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
                                       progress=not quiet and not as_json, devices=devices,
-                                      micro_batches=micro_batches), rdzv)
+                                      micro_batches=micro_batches, wire=wire), rdzv)
         except RendezvousError as e:
             if not e.stuck_thread:
                 raise

@@ -69,6 +69,9 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
+    if options.wire != "fp32" and plan.dispatch != "all_to_all":
+        raise RuntimeFault(f"--wire-dtype {options.wire}: only the all-to-all dispatch's vectors take it; {folder} "
+                           f"joins its experts by {plan.dispatch.replace('_', '-')}")
     if options.micro_batches > 1:
         rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica
         if plan.mesh.pp == 1 or doc.get("target") not in (None, "llvm"):

@@ -64,6 +64,7 @@ class Options:
     devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
     serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
     micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.step)
+    wire: str = "fp32"  # the all-to-all's latent vectors on the wire: fp32 (exact) or bf16 (Rank._exchange)
 
 
 class Rank:
@@ -83,6 +84,7 @@ class Rank:
         self.entry = self.doc["ranks"][rank]
         self.schedule = self.entry["schedule"]
         self.stats = Stats()
+        self.wire = options.wire
         timeout = datetime.timedelta(seconds=options.timeout)
         ep_groups, replicas = process_groups(self.plan, timeout)
         self.ep_group = ep_groups[self.p.replica, self.p.stage]
@@ -179,15 +181,16 @@ class Rank:
             self._open[tag] = (sel, sent, room, got)
         else:  # the outputs: back to where each row came from
             room, got, sel, sent = self._open.pop(tag)
-        rows = x[sel]
-        buf = torch.empty((sum(got), *x.shape[2:]), dtype=x.dtype)
-        self.stats.add("all_to_all", (sum(sent) - sent[peers.index(self.p.rank)]) * x[0, 0].numel() * x.element_size())
+        rows = wire_rows(x[sel], part == A2A_DISPATCH) if self.wire == "bf16" else x[sel]
+        buf = torch.empty((sum(got), *rows.shape[1:]), dtype=rows.dtype)
+        row_bytes = rows.shape[1] * rows.element_size()  # rows: [n, W]
+        self.stats.add("all_to_all", (sum(sent) - sent[peers.index(self.p.rank)]) * row_bytes)
         self._talk(what, peers, dist.all_to_all_single, buf, rows, output_split_sizes=got, input_split_sizes=sent,
                    group=self.ep_group)
         out.zero_()
         if part == A2A_DISPATCH:
             out[..., A2A_ID_COLUMN] = -1
-        out[room] = buf
+        out[room] = host_rows(buf, part == A2A_DISPATCH) if self.wire == "bf16" else buf
 
     def _talk(self, what: str, peers: list[int], fn, *args, **kw) -> None:
         """A torch.distributed call whose failure (a dead peer, a timeout) names this rank and its peers."""
@@ -279,6 +282,26 @@ class Rank:
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, present
+
+
+def wire_rows(rows, dispatch: bool):
+    """All-to-all rows as `--wire-dtype bf16` sends them: the latent vectors rounded to bf16; a dispatch row's expert
+    id and weight (its last two fp32 columns) as their bits, four bf16 halves, so the ids stay exact."""
+    import torch
+
+    if not dispatch:
+        return rows.to(torch.bfloat16)
+    return torch.cat([rows[:, :-2].to(torch.bfloat16), rows[:, -2:].contiguous().view(torch.bfloat16)], dim=1)
+
+
+def host_rows(buf, dispatch: bool):
+    """wire_rows' inverse: fp32 rows (the vectors widened, the id and weight bits as they were)."""
+    import torch
+
+    if not dispatch:
+        return buf.float()
+    bits = buf[:, -4:].reshape(-1).clone().view(torch.float32)  # a fresh 1-D copy: any row count, any offset
+    return torch.cat([buf[:, :-4].float(), bits.reshape(-1, 2)], dim=1)
 
 
 def process_groups(plan, timeout) -> tuple[dict, dict]:
@@ -381,7 +404,8 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         result = {"rank": rank, "replica": p.replica, "rows": [first, end], "own_rows": [own_lo, own_hi],
                   "padded_rows": padded, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
                   "decode_s": decoded.decode_s, "decode_steps": decoded.decode_steps,
-                  "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode)}
+                  "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode),
+                  "wire": options.wire}
         return gather_json(result, world)  # after decode: not counted
     finally:
         dist.destroy_process_group()

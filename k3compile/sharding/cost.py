@@ -21,6 +21,7 @@ from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_
 
 TOKEN_BYTES = 8  # int64 token ids
 COUNT_BYTES = 8  # an all-to-all's int64 row count for each destination
+WIRE_BYTES = {"fp32": 4, "bf16": 2}  # `run --wire-dtype`: the all-to-all's latent vectors
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -98,11 +99,12 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
 
 
 def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
-               width: int | None = None) -> dict[str, int]:
+               width: int | None = None, wire_bytes: int | None = None) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
     the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
-    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch).
+    the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
+    `wire_bytes`: their element size on the all-to-all's wire (default `dtype_bytes`; `run --wire-dtype`).
 
     The all-to-all's figure is an expectation under uniform routing (each slot on expert e with probability 1/E):
     per MoE layer a count to each other rank (int64), then the slots routed off this rank (the share of experts
@@ -116,7 +118,8 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
     here = Fraction(hi - lo, cfg.num_experts) if cfg.num_experts else Fraction(0)
     moved = {"dispatch": 1 - here, "outputs": (ep - 1) * here}
     width = width or cfg.latent_size
-    a2a = {"dispatch": width * dtype_bytes + 2 * 4, "outputs": width * dtype_bytes}  # per token slot
+    wire = wire_bytes or dtype_bytes
+    a2a = {"dispatch": width * wire + 2 * 4, "outputs": width * wire}  # per token slot (the id and weight: fp32)
     out = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
     for step in plan.schedule(rank, cfg):
         if step["op"] == "run":

@@ -130,7 +130,7 @@ def decode_routing(eager, tokens: list[list[int]]) -> list[dict[int, torch.Tenso
     return steps[:-1]  # the last token is not fed back
 
 
-def accounted(cfg, plan, rank: int, rows: int, routing=None) -> dict:
+def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> dict:
     """The accounting rule, written out independently of sharding/cost.py, for a replica of `rows` rows. All-reduce
     dispatch: per decode step a rank all-reduces one [rows, latent] fp32 tensor per MoE layer of its stage when
     ep > 1, sends every carry tensor ([rows, 1, hidden] fp32: the residual and the AttnRes summaries closed before
@@ -139,7 +139,8 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None) -> dict:
     the ep - 1 others an int64 count, then exactly the slots eager's router (`routing`: decode_routing) sends to
     experts outside its slice (a row of the fp32 latent vector, expert id and weight each), and back the fp32 outputs
     of the slots the other ranks' rows route into its slice; every shard of the last stage broadcasts its rows'
-    tokens."""
+    tokens. `wire`: the bytes of a vector element on the all-to-all's wire (2 with `--wire-dtype bf16`, the id and
+    weight still 4 each)."""
     d, s, e = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
@@ -162,7 +163,7 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None) -> dict:
                 if cfg.is_moe(i):
                     out = int((owners(rank, step[i]) != e).sum())
                     back = sum(int((owners(r, step[i]) == e).sum()) for r in group if r != rank)
-                    moved += (ep - 1) * 8 + out * (cfg.latent_size + 2) * 4 + back * cfg.latent_size * 4
+                    moved += (ep - 1) * 8 + out * (cfg.latent_size * wire + 8) + back * cfg.latent_size * wire
         return {"all_reduce": 0, "all_to_all": moved / len(routing),
                 "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0}
     return {"all_reduce": moe * rows * cfg.latent_size * 4 if ep > 1 else 0, "all_to_all": 0,
@@ -325,6 +326,30 @@ def test_micro_batches_that_cannot_apply_are_one_line(sharded, mesh, args, expec
     res = cli("run", str(sharded[("k3-tiny", mesh, "all-reduce")]), *prompts, "--max-new-tokens", "2", *args)
     assert res.returncode == 1 and res.stderr.count("Error:") == 1 and expect in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_bf16_wire_halves_the_all_to_all_vectors(sharded, references, tmp_path):
+    """`run --wire-dtype bf16` on the ep=3 all-to-all build: the latent vectors and outputs cross as bf16 (the
+    expert ids and weights as their fp32 bits): eager's greedy tokens still, every rank's bytes the rule with 2-byte
+    vectors (from eager's routing) and the plan's expectation with them; on an all-reduce build it is one line."""
+    from k3compile.manifest import read_sharded
+
+    folder = sharded[("k3-tiny", "ep=3", A2A)]
+    eager, _ = references["k3-tiny"]
+    want = generate(eager, PROMPTS, NEW, eos_token_id=eager.config.eos_token_id).tokens
+    res = run(folder, Options(PROMPTS, NEW, threads=1, wire="bf16"))
+    assert res["tokens"] == want
+    _, cfg, plan = read_sharded(folder)
+    routing = decode_routing(eager, want)
+    for row in res["ranks"]:
+        assert row["bytes_per_step"] == accounted(cfg, plan, row["rank"], row["rows"], routing, wire=2), row
+        fp32 = accounted(cfg, plan, row["rank"], row["rows"], routing)["all_to_all"]
+        assert row["bytes_per_step"]["all_to_all"] < 0.6 * fp32  # the vectors halve; ids, weights, counts do not
+    prompts = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    res = cli("run", str(sharded[("k3-tiny", "ep=2", "all-reduce")]), *prompts, "--max-new-tokens", "2",
+              "--wire-dtype", "bf16")
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr
+    assert "only the all-to-all dispatch's vectors take it" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_data_parallel_replicas_decode_their_rows(sharded, references):

@@ -1,7 +1,8 @@
 """The row and shape arithmetic both sides of a sharded server use (runtime/worker.py's serve protocol,
 backends/sharded.py): over meshes and batches (Hypothesis), a GET reassembles every row of every layer's state
 exactly once, the logits come back for every row exactly once, each rank's rows are what the worker's `own_rows`
-gives it, and the shapes the ranks allocate are the graph interface's."""
+gives it, and the shapes the ranks allocate are the graph interface's. And the all-to-all's bf16 wire rows
+(`run --wire-dtype bf16`): the ids and weights come back bit for bit, the vectors as torch rounds them to bf16."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from k3compile.interface import init_past
 from k3compile.presets import load_config
-from k3compile.runtime.worker import holds_rows, own_rows, state_shapes
+from k3compile.runtime.worker import holds_rows, host_rows, own_rows, state_shapes, wire_rows
 from k3compile.sharding import Mesh, PlanError, make_plan
 
 CFG = load_config("k3-tiny")
@@ -55,3 +56,21 @@ def test_state_shapes_are_the_interfaces(rows, length):
             want.append(tuple(shape))
     assert state_shapes(CFG, (0, CFG.num_hidden_layers), rows, length) == want
     assert state_shapes(CFG, (1, 3), rows, length) == want[2:6]
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(0, 6), width=st.integers(1, 9), dispatch=st.booleans(), seed=st.integers(0, 2**16),
+       ids=st.lists(st.integers(-1, 2**24 - 1), min_size=6, max_size=6))
+def test_bf16_wire_rows_keep_ids_and_weights_exact(rows, width, dispatch, seed, ids):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width + 2, generator=g) * 10 ** torch.randint(-30, 30, (rows, 1), generator=g).float()
+    if dispatch:  # a dispatch row ends with its expert id (exact in fp32 below 2**24) and weight
+        x[:, -2] = torch.tensor(ids[:rows], dtype=torch.float32)
+    sent = wire_rows(x, dispatch)
+    assert sent.dtype == torch.bfloat16 and sent.shape == (rows, width + 4 if dispatch else width + 2)
+    back = host_rows(sent, dispatch)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    vectors = slice(0, width) if dispatch else slice(None)
+    assert torch.equal(back[:, vectors], x[:, vectors].to(torch.bfloat16).float())
+    if dispatch:
+        assert torch.equal(back[:, -2:].view(torch.int32), x[:, -2:].view(torch.int32))  # the bits, NaN-proof
