@@ -14,8 +14,8 @@ place and the ops between them (add, where, less, take, gather, concat, ...) re-
   the scored axis's static extent, checked here;
 - `shape_to_tensor(shape)` becomes an int32 kernel of its own (a TE compute over the shape's expressions);
 - int64 constants become int32 ones, refused here (naming the value) where one does not fit;
-- a host function's int64 results (`call_dps_packed`: a sharded rank's all-to-all of the expert ids, which returns
-  what it is given) become int32, and the runtime prices those ids at 4 bytes (sharding/cost.py).
+- a host function's int64 results (`call_dps_packed`: a sharded rank's collectives return what they are given)
+  become int32 (the all-to-all itself moves fp32 rows, its expert ids among them: nothing int64 crosses).
 
 WGSL has `bool` values but no `bool` in a storage buffer (TVM would write `array<i8>`, which WGSL lacks too), so a
 boolean tensor main passes from one kernel to the next (the attention mask, a comparison) is stored as int32 0 / 1:
@@ -227,7 +227,7 @@ def device_legalize(target):
                                                  primfunc_name_hint="k3_shape_to_tensor_i32")
             ty_args = call.ty_args
             if call.op.same_as(ops["call_dps_packed"]):  # a host function (a rank's collective: dtype-generic)
-                ty_args = [narrow_type(t) for t in ty_args]  # returns what it is given: int32 expert ids in, out
+                ty_args = [narrow_type(t) for t in ty_args]  # returns what it is given: int32 in, int32 out
             if any(a is not b for a, b in zip(args, call.args)) or any(
                     not a.same_as(b) for a, b in zip(ty_args, call.ty_args)):
                 return relax.Call(call.op, args, call.attrs, ty_args)

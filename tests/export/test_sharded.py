@@ -94,14 +94,16 @@ def references(sources, tvm_artifact, tmp_path_factory):
             "kimi-linear": (EagerBackend(hf), TvmBackend(folder))}
 
 
-def final_states(backend, tokens: list[list[int]]):
-    """The decode state after feeding the prompts and then `tokens` (as the runtime does, padding after EOS)."""
+def final_states(backend, tokens: list[list[int]], after_step=lambda: None):
+    """The decode state after feeding the prompts and then `tokens` (as the runtime does, padding after EOS);
+    `after_step` is called after each step."""
     cfg = backend.config
     pad = cfg.pad_token_id
     ids, mask = left_pad(PROMPTS, pad)
     past = backend.init_past(len(PROMPTS))
     for step in range(max(len(t) for t in tokens)):
         _, past = backend.step(ids, mask, past)
+        after_step()
         ids = torch.tensor([[t[step] if step < len(t) else pad] for t in tokens])
         mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
     return past
@@ -111,19 +113,12 @@ def decode_routing(eager, tokens: list[list[int]]) -> list[dict[int, torch.Tenso
     """Eager's router choices in each decode step the runtime runs (the prompts first, then each token but the last
     fed back, padding after EOS): per step {MoE layer: [rows, top-k] expert ids}."""
     cfg, model = eager.config, eager.model
-    pad = cfg.pad_token_id
     steps: list[dict[int, torch.Tensor]] = []
     hooks = [layer.block_sparse_moe.gate.register_forward_hook(
         lambda mod, args, out, i=i: steps[-1].__setitem__(i, out[0].clone()) if steps else None)
         for i, layer in enumerate(model.model.layers) if cfg.is_moe(i)]
     try:
-        ids, mask = left_pad(PROMPTS, pad)
-        past = eager.init_past(len(PROMPTS))
-        for step in range(max(len(t) for t in tokens)):
-            _, past = eager.step(ids, mask, past)
-            ids = torch.tensor([[t[step] if step < len(t) else pad] for t in tokens])
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
-            steps.append({})
+        final_states(eager, tokens, lambda: steps.append({}))  # the prompts' step records nothing
     finally:
         for h in hooks:
             h.remove()
