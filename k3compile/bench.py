@@ -587,10 +587,12 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
     from k3compile.runtime.launch import default_threads, run
     from k3compile.runtime.worker import Options
     from k3compile.sharding import Mesh, PlanError, make_plan
+    from k3compile.sharding.cost import COLLECTIVES
     from k3compile.threads import available_cores
 
     step = progress or (lambda msg: None)
-    runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 else ("all_reduce",))]
+    runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 and Mesh.parse(m).tp == 1
+                                             else ("all_reduce",))]  # tp > 1: the all-reduce dispatch only
     config = load_config(source)
     for m, d in runs:  # every mesh refused before the first is built
         mesh = make_plan(config, Mesh.parse(m), d).mesh
@@ -621,7 +623,7 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
     rows = {}
     for key in folders:
         ranks = last[key]["ranks"]
-        ops = ("all_reduce", "all_to_all", "send", "broadcast")
+        ops = COLLECTIVES
         per_token = {op: sum(r["bytes_per_token"][op] for r in ranks) for op in ops}
         planned = {op: sum(r["predicted_bytes_per_step"][op] / r["rows"] for r in ranks) for op in ops}
         rows[key] = {"ranks": len(ranks), "threads_per_rank": default_threads(len(ranks)),
@@ -637,12 +639,15 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
 def mesh_table(result: dict) -> str:
     """The README table of run_mesh_bench: bytes per decode token summed over the ranks (the all-to-all's measured,
     and the plan's expectation under uniform routing beside it)."""
+    gather = any(r["bytes_per_token"].get("gather") for r in result["meshes"].values())  # tp > 1: the logits
     lines = ["| mesh, dispatch | ranks x threads | decode tok/s (vs first) | all-reduce B/token | all-to-all B/token "
-             "(plan) | send B/token | broadcast B/token |", "|---|---|---|---|---|---|---|"]
+             "(plan) | send B/token | broadcast B/token |" + (" gather B/token |" if gather else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if gather else "")]
     for key, r in result["meshes"].items():
         b, plan = r["bytes_per_token"], r.get("plan_bytes_per_token", {}).get("all_to_all")
         a2a = f"{b['all_to_all']:,.0f}" + (f" ({plan:,.0f})" if plan else "")
         lines.append(f"| {key.replace('_', '-')} | {r['ranks']} x {r['threads_per_rank']} | "
                      f"{r['decode_tokens_per_s']:.1f} ({r['vs_first']:.2f}x) | {b['all_reduce']:,.0f} | "
-                     f"{a2a} | {b['send']:,.0f} | {b['broadcast']:,.0f} |")
+                     f"{a2a} | {b['send']:,.0f} | {b['broadcast']:,.0f} |"
+                     + (f" {b.get('gather', 0):,.0f} |" if gather else ""))
     return "\n".join(lines)

@@ -131,7 +131,7 @@ def read_sharded(folder: str | Path, rank: int | None = None) -> tuple[dict, K3C
         raise bad("ranks")
     gpu = doc.get("target") not in (None, "llvm")  # its ranks run their launch plans (backends/executor.py)
     for p, entry in zip(plan.ranks(), ranks):
-        inputs, outputs = rank_io(cfg, p, plan.mesh.ep > 1)
+        inputs, outputs = rank_io(cfg, p, plan.mesh.group > 1)
         own = {"library": LIBRARY, "weights": WEIGHTS, **({"launch_plan": LAUNCH_PLAN, "constants": CONSTANTS}
                                                            if gpu else {})}
         want = {"rank": p.rank, "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,

@@ -4,7 +4,9 @@ runtime").
 For each rank of the plan (sharding/plan.py) the model is assembled from that rank's tensors only (a checkpoint is
 read through the state-dict adapter's `Selection`: its layer range and expert slice, nothing else), the rank's graph
 is traced to ONNX with k3 ops (`RankGraph`: embedding on the first stage, the stage's layers, the head on the last;
-each MoE layer's latent partial sum through `k3.AllReduce` when ep > 1) and compiled by TVM like any export. Ranks
+each MoE layer's latent partial sum through `k3.AllReduce` when ep · tp > 1; with tp > 1 its share of the heads,
+intermediate widths and vocabulary, sharding/tensor.py, each attention and MLP output and the embedding's lookups
+through `k3.AllReduce` over the tp group) and compiled by TVM like any export. Ranks
 whose graphs have the same structure (an expert-parallel group with slices of one size: the slice offset is a weight,
 not a constant) share one build; each still gets its own copy of the library and its own weights.
 
@@ -42,6 +44,7 @@ from k3compile.model.k3 import Carry, K3ForCausalLM
 from k3compile.modes import Forms
 from k3compile.sharding import Mesh, RankPlan, ShardPlan, carry_names, make_plan
 from k3compile.sharding.plan import A2A_DISPATCH, A2A_OUTPUTS
+from k3compile.sharding.tensor import rank_config
 
 # ---- one rank's graph -----------------------------------------------------------------------------------------
 
@@ -83,7 +86,7 @@ def rank_sample(cfg: K3Config, p: RankPlan, sliced: bool, batch: int = 2, new: i
     flat.append(torch.ones(batch, past + new, dtype=torch.long))
     shapes.append({0: bd, 1: torch.export.Dim.AUTO})
     a, b = p.layers
-    for i, state in zip(range(a, b), init_past(cfg, batch)[a:b]):
+    for i, state in zip(range(a, b), init_past(rank_config(cfg, p.tp), batch)[a:b]):
         for t in state:
             shape = (batch, past, t.shape[2]) if cfg.is_mla(i) else t.shape
             flat.append(torch.randn(shape, generator=gen) * (0.1 if t.dim() == 4 else 1.0))
@@ -97,13 +100,29 @@ def rank_sample(cfg: K3Config, p: RankPlan, sliced: bool, batch: int = 2, new: i
 def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: bool,
                plan: ShardPlan | None = None) -> K3ForCausalLM:
     """A model holding exactly rank p's tensors (the rest of the decoder is left out): its layers, their expert
-    slice (`sliced`), the embedding on the first stage, the head on the last. Sliced MoE layers join the other
-    slices as `plan.dispatch` says: all-reduce (the default) or all-to-all."""
+    slice (`sliced`), the embedding on the first stage, the head on the last, with tp > 1 its share of the heads,
+    intermediate widths and vocabulary (`state` already cut: sharding/tensor.py). Sliced MoE layers join the other
+    slices as `plan.dispatch` says: all-reduce (the default) or all-to-all; split attention and MLPs sum over the
+    tp group."""
+    from k3compile.model.mlp import GatedMLP
     from k3compile.model.moe import RoutedExperts
+    from k3compile.ops.collectives import all_reduce
+    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT
+    from k3compile.sharding.tensor import rank_config, shared_width, vocab_slice
 
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg, p.experts if sliced else None)
+    rcfg = rank_config(cfg, p.tp)
     a, b = p.layers
+    with torch.device("meta"):
+        model = K3ForCausalLM(rcfg, p.experts if sliced else None)
+        if p.tp > 1:  # its vocabulary slice of the embedding and the head
+            lo, hi = vocab_slice(cfg, p.tensor, p.tp)
+            model.model.embed_tokens = VocabSliceEmbedding(hi - lo, cfg.hidden_size, lo,
+                                                           _Reduce(all_reduce, 0, AR_EMBED))
+            model.lm_head = nn.Linear(cfg.hidden_size, hi - lo, bias=False)
+        for i in range(a, b):
+            moe = getattr(model.model.layers[i], "block_sparse_moe", None)
+            if p.tp > 1 and moe is not None and cfg.num_shared_experts:
+                moe.shared_experts = GatedMLP(rcfg, cfg.hidden_size, shared_width(cfg, p.tp))
     for i in range(cfg.num_hidden_layers):
         if not a <= i < b:
             model.model.layers[i] = nn.Module()
@@ -123,28 +142,46 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
     for mod in model.modules():
         if isinstance(mod, RoutedExperts) and mod.sliced:
             mod.expert_offset = torch.tensor(p.experts[0], dtype=torch.int32)
-    if sliced:
-        from k3compile.ops.collectives import all_reduce
-
-        for i in range(a, b):
-            moe = getattr(model.model.layers[i], "block_sparse_moe", None)
-            if moe is None:
-                continue
+    for i in range(a, b):
+        layer = model.model.layers[i]
+        moe = getattr(layer, "block_sparse_moe", None)
+        if p.tp > 1:
+            layer.self_attn.reduce = _Reduce(all_reduce, i, AR_ATTENTION)
+            ffn = layer.mlp if moe is None else getattr(moe, "shared_experts", None)
+            if ffn is not None:
+                ffn.reduce = _Reduce(all_reduce, i, AR_FFN)
+        if sliced and moe is not None:
             if plan is not None and plan.dispatch == "all_to_all":
                 moe.exchange = _Exchange(i, plan.slices)
             else:
-                moe.reduce = _Reduce(all_reduce, i)
+                moe.reduce = _Reduce(all_reduce, i, AR_LATENT)
     return model.eval()
 
 
-class _Reduce:
-    """MoE.reduce of layer `tag`: the all-reduce op (picklable, unlike a closure)."""
+class VocabSliceEmbedding(nn.Module):
+    """The embedding rows [offset, offset + rows) of a tensor-parallel rank: ids outside them look up zeros, and
+    `reduce` sums the group's lookups into the whole embedding (sharding/tensor.py)."""
 
-    def __init__(self, op, tag: int) -> None:
-        self.op, self.tag = op, tag
+    def __init__(self, rows: int, dim: int, offset: int, reduce) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.offset, self.reduce = offset, reduce
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.offset
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        return self.reduce(torch.where(inside.unsqueeze(-1), rows, 0.0))
+
+
+class _Reduce:
+    """A module's `reduce` in layer `tag`: the all-reduce op of that part (picklable, unlike a closure)."""
+
+    def __init__(self, op, tag: int, part: int) -> None:
+        self.op, self.tag, self.part = op, tag, part
 
     def __call__(self, y: Tensor) -> Tensor:
-        return self.op(y, self.tag)
+        return self.op(y, self.tag, self.part)
 
 
 class _Exchange:
@@ -207,15 +244,19 @@ class RankSource:
 
     def state(self, cfg: K3Config, p: RankPlan, plan: ShardPlan) -> dict[str, Tensor]:
         from k3compile.model.state_dict_adapter import Selection, convert_experts, from_checkpoint
+        from k3compile.sharding.tensor import tp_slice
 
-        select = Selection(p.layers if plan.mesh.pp > 1 else None, p.experts if plan.mesh.ep > 1 else None)
+        select = Selection(p.layers if plan.mesh.pp > 1 else None, p.experts if plan.mesh.group > 1 else None)
         if not self.checkpoint:
-            return from_checkpoint({k: v for k, v in self._tensors.items() if select.keeps(k, cfg)}, cfg,
-                                   "kimi_linear")
-        from k3compile.checkpoint import load_state
+            state = from_checkpoint({k: v for k, v in self._tensors.items() if select.keeps(k, cfg)}, cfg,
+                                    "kimi_linear")
+        else:
+            from k3compile.checkpoint import load_state
 
-        stored, state, _ = load_state(self.source, select=select)
-        return state if stored.expert_format == self._fmt else convert_experts(state, self._fmt, torch.float32)
+            stored, state, _ = load_state(self.source, select=select)
+            if stored.expert_format != self._fmt:
+                state = convert_experts(state, self._fmt, torch.float32)
+        return tp_slice(cfg, state, p.tensor, p.tp)  # its share of the heads and widths (tp > 1)
 
 
 # ---- building -----------------------------------------------------------------------------------------------------
@@ -305,7 +346,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
     builds: dict[str, tuple] = {}  # structure key -> (rank built, executable, weight names)
     traced: dict[tuple, object] = {}  # (stage, slice size) -> a traced graph of that shape
     ranks = []
-    sliced = mesh.ep > 1
+    sliced = mesh.group > 1
     with writing(out, ExportError, overwrite, source_paths(rec)) as w:
         files: dict[str, str] = {}
         for p in plan.ranks():
@@ -313,7 +354,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             step(f"{tag}: reading its tensors")
             state = src.state(cfg, p, plan)
             inputs, outputs = rank_io(cfg, p, sliced)
-            shape_key = (p.stage, p.experts[1] - p.experts[0])
+            shape_key = (p.stage, p.experts[1] - p.experts[0], p.tensor)
             proto = swap_weights(traced[shape_key], state) if shape_key in traced else None
             if proto is None:
                 model = rank_model(cfg, state, p, sliced, plan)
@@ -352,6 +393,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             save_file({n: t.numpy() for n, t in zip(names, weights)}, str(folder / WEIGHTS))
             del weights, proto
             ranks.append({"rank": p.rank, "replica": p.replica, "stage": p.stage, "shard": p.shard,
+                          **({"tensor": p.tensor} if p.tp > 1 else {}),
                           "layers": list(p.layers), "experts": list(p.experts), "inputs": inputs,
                           "outputs": outputs, "params": names, "built_with": built_by,
                           "library": f"{rank_dir(p.rank)}/{LIBRARY}", "weights": f"{rank_dir(p.rank)}/{WEIGHTS}",

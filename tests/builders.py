@@ -14,11 +14,11 @@ def tiny_model(std: float = 0.1, seed: int = 0, **changes) -> K3ForCausalLM:
     return init_weights(K3ForCausalLM(cfg), seed=seed, std=std).eval()
 
 
-def build_hf(tmp_path, q_lora_rank, heads, kda_heads, head_dim, seed=0):
+def build_hf(tmp_path, q_lora_rank, heads, kda_heads, head_dim, seed=0, vocab=97):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     cfg = KimiLinearConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
+        vocab_size=vocab, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
         num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=20, q_lora_rank=q_lora_rank,
         qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, num_local_experts=6, num_experts_per_tok=2,
         n_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1, initializer_range=0.15,

@@ -58,6 +58,7 @@ from k3compile.runtime.worker import (
     state_shapes,
     write_options,
 )
+from k3compile.sharding.tensor import rank_config, state_join, state_piece
 
 
 @contextlib.contextmanager
@@ -105,6 +106,7 @@ class ShardedBackend:
         step("checking the artifact")
         doc, self.config, self.plan = read_sharded(folder)
         mesh = self.plan.mesh
+        self._state_cfg = rank_config(self.config, mesh.tp)  # a rank's heads: its state's shapes
         self.ctl = mesh.size  # this process's rank: the world's last
         self.name = f"{doc['target']} over {mesh.size} ranks (mesh {mesh}, {self.plan.dispatch} dispatch)"
         self.timeout = timeout
@@ -205,6 +207,7 @@ class ShardedBackend:
         padded = max(past.rows, self.min_rows)
         full = [torch.empty(s) for s in state_shapes(self.config, (0, self.config.num_hidden_layers), padded,
                                                       past.length)]
+        pieces: dict[tuple[int, int, int], list[Tensor]] = {}  # (flat index, rows) -> the tp ranks' pieces, in t order
         with self._lock:
             self._check()
             self._flush()
@@ -213,9 +216,14 @@ class ShardedBackend:
                 if holds_rows(self.plan, r):
                     p = self.plan.rank(r)
                     lo, hi, _ = self.plan.rank_rows(padded, r)
-                    for t in full[2 * p.layers[0]:2 * p.layers[1]]:
-                        self._talk(dist.recv, t[lo:hi], src=r, group=self._work)
+                    shapes = state_shapes(self._state_cfg, p.layers, hi - lo, past.length)
+                    for j, shape in enumerate(shapes, start=2 * p.layers[0]):
+                        t = torch.empty(shape)
+                        self._talk(dist.recv, t, src=r, group=self._work)
+                        pieces.setdefault((j, lo, hi), []).append(t)
             self._last = time.monotonic()
+        for (j, lo, hi), got in pieces.items():
+            full[j][lo:hi] = state_join(self.config, j // 2, j % 2, got)
         past.host = [(full[2 * i][:past.rows], full[2 * i + 1][:past.rows])
                      for i in range(self.config.num_hidden_layers)]
         return past.host
@@ -255,8 +263,9 @@ class ShardedBackend:
         for r in range(self.plan.mesh.size):
             p = self.plan.rank(r)
             lo, hi, n = self.plan.rank_rows(padded, r)
-            for t in flat[2 * p.layers[0]:2 * p.layers[1]]:
-                self._talk(dist.send, own_rows(t, lo, hi, n).float().contiguous(), dst=r, group=self._work)
+            for j, t in enumerate(flat[2 * p.layers[0]:2 * p.layers[1]], start=2 * p.layers[0]):
+                piece = state_piece(self.config, j // 2, j % 2, own_rows(t, lo, hi, n), p.tensor, p.tp)
+                self._talk(dist.send, piece.float().contiguous(), dst=r, group=self._work)
         return state
 
     def _slot(self) -> int:

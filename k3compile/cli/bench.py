@@ -112,7 +112,7 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="Write the results as JSON to this file (a new file, in a folder that exists).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="Write a chart to this PNG file (a new file; needs matplotlib).")
-@click.option("--mesh", "meshes", multiple=True, metavar="ep=E[,pp=P]", callback=_meshes,
+@click.option("--mesh", "meshes", multiple=True, metavar="[tp=T,]ep=E[,pp=P]", callback=_meshes,
               help="Instead: distributed decode over each mesh given (repeat the option; `k3compile run` on this "
                    "machine), decode tokens/s and bytes per token; --decode-batches' first size is the batch.")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,

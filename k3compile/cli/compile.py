@@ -22,7 +22,7 @@ from k3compile.modes import DENSE_CHOICES
 @click.option("--tune", "tune", type=IntRange(0, 100_000), default=0, show_default=True, metavar="N",
               help="Also build decode.so (batch 1, one token) tuned with N meta_schedule trials in all (at most "
                    "100000); 0: no tuning. Minutes: each builder worker starts in ~1 minute.")
-@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
+@click.option("--mesh", default=None, metavar="[tp=T,]ep=E[,pp=P][,dp=D]",
               help="Shard over this mesh: the ranks' graphs are traced again from the source FOLDER records (its "
                    "export.json), one library and weight file per rank; run OUT with `k3compile run`.")
 @click.option("--dispatch", type=click.Choice(["all-reduce", "all-to-all"]), default="all-reduce", show_default=True,

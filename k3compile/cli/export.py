@@ -44,9 +44,10 @@ from k3compile.presets import DEFAULT_PRESET
 @click.option("--dense-weights", "dense", type=click.Choice(DENSE_CHOICES), default="auto", show_default=True,
               help=DENSE_HELP + " mxfp8 also applies to an ONNX export (no --target): it holds the MXFP8 values, "
                    "which a later `compile` stores as such.")
-@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
-              help="Shard over this device mesh: OUT holds one library and weight file per rank and a manifest with "
-                   "the plan and each rank's step schedule; run it with `k3compile run OUT` (target llvm).")
+@click.option("--mesh", default=None, metavar="[tp=T,]ep=E[,pp=P][,dp=D]",
+              help="Shard over this device mesh (tp: heads, widths and vocabulary; ep: experts; pp: stages; dp: "
+                   "replicas): OUT holds one library and weight file per rank and a manifest with the plan and each "
+                   "rank's step schedule; run it with `k3compile run OUT`.")
 @click.option("--dispatch", type=click.Choice(["all-reduce", "all-to-all"]), default="all-reduce", show_default=True,
               help="With --mesh: how the ranks of a stage join their expert slices: all-reduce the latent partial "
                    "sums (every rank computes every row), or split the rows and send each token to its experts' "

@@ -16,7 +16,7 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
 @click.argument("source", default="k3")
 @click.option("--devices", required=True, type=IntRange(1, MAX_RANKS),
               help=f"Accelerators of the supernode (at most {MAX_RANKS}).")
-@click.option("--mesh", default=None, metavar="ep=E[,pp=P][,dp=D]",
+@click.option("--mesh", default=None, metavar="[tp=T,]ep=E[,pp=P][,dp=D]",
               help="Only this mesh (dp fills the devices it leaves); refused when it cannot hold the model.")
 @click.option("--context", default=8192, show_default=True, type=SIZE,
               help="Tokens per sequence the MLA caches hold.")
@@ -54,9 +54,9 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
         cfg = load_config(source)
         if mesh is not None:
             m = Mesh.parse(mesh)
-            if devices % (m.ep * m.pp) or (m.dp > 1 and m.size != devices):
+            if devices % (m.group * m.pp) or (m.dp > 1 and m.size != devices):
                 raise PlanError(f"mesh {m} does not divide {devices} devices")
-            meshes = [Mesh(m.ep, m.pp, devices // (m.ep * m.pp))]
+            meshes = [Mesh(m.ep, m.pp, devices // (m.group * m.pp), m.tp)]
         else:
             meshes = candidate_meshes(cfg, devices)
             if not meshes:
@@ -115,7 +115,7 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
                   f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no", f"{r['max_context']:,}",
                   f"{r['predicted']['step_s'] * 1e3:,.2f}", f"{r['predicted']['tokens_per_s']:,.1f}",
                   _bytes(r["bytes_per_token"]["all_reduce"]), _bytes(r["bytes_per_token"]["send"]),
-                  _bytes(a2a["latent"]), _bytes(a2a["full_width"]), ratio)
+                  *((_bytes(a2a["latent"]), _bytes(a2a["full_width"])) if a2a["full_width"] else ("-", "-")), ratio)
     table_console().print(t)
 
 

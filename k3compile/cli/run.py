@@ -78,7 +78,9 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     for p, toks in zip(prompts, res["tokens"]):
         click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, toks))}")
     if res["decode_tokens_per_s"] is not None and not quiet:
-        click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {res['mesh']} "
+        from k3compile.sharding import Mesh
+
+        click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {Mesh(**res['mesh'])} "
                    f"({res['dispatch'].replace('_', '-')} dispatch)")
     if stats:
         _stats(res)
@@ -88,7 +90,9 @@ def _stats(res) -> None:
     from rich.table import Table
 
     t = Table(title="bytes per decode token, measured (plan; the all-to-all's: expected under uniform routing)")
-    ops = ("all_reduce", "all_to_all", "send", "broadcast")
+    from k3compile.sharding.cost import COLLECTIVES
+
+    ops = [op for op in COLLECTIVES if op != "gather" or any(r["predicted_bytes_per_step"][op] for r in res["ranks"])]
     for col in ("rank", "rows", *(op.replace("_", "-") for op in ops)):
         t.add_column(col, justify="right")
     for r in res["ranks"]:

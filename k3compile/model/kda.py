@@ -3,10 +3,13 @@ recurrence op, output.
 
 Checkpoint names: {q,k,v}_proj, {q,k,v}_conv1d [H*K, 1, W], f_a_proj [K, D], f_b_proj [H*K, K], dt_bias [H*K],
 A_log [H], b_proj [H, D], g_proj [H*V, D] (full rank, K3) or g_a_proj [K, D] + g_b_proj [H*V, K], o_norm [V],
-o_proj [D, H*V].
+o_proj [D, H*V]. With tensor parallelism a module holds its rank's heads and `reduce` sums o_proj's partial output
+over the tp group (docs/architecture.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +52,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(k, hk, bias=False)
         self.o_norm = RMSNorm(k, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(hk, d, bias=False)
+        self.reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallelism: the heads' partial sum -> all
 
     def decay(self, x: Tensor) -> Tensor:
         """Log-space decay g [B, T, H, K] (< 0) from the layer input x."""
@@ -90,4 +94,5 @@ class KimiDeltaAttention(nn.Module):
         o, new_rec = kda_recurrence(q, kk, v.float(), g, beta, rec_state)
         z = self.output_gate(x).view(b, t, h, k).float()
         o = rms_normalize(o, self.o_norm.eps) * self.o_norm.weight.float() * torch.sigmoid(z)
-        return self.o_proj(o.reshape(b, t, h * k).to(x.dtype)), (new_conv_state, new_rec)
+        out = self.o_proj(o.reshape(b, t, h * k).to(x.dtype))
+        return (out if self.reduce is None else self.reduce(out)), (new_conv_state, new_rec)

@@ -3,10 +3,13 @@
 The cache holds the normalized latent c [B, P, C] and the shared key part k_r [B, P, R] (no rotation: NoPE).
 Two equal forms: `naive` expands the whole cache through kv_b_proj into per-head keys and values; `absorbed`
 (decode) folds W_UK into the query and W_UV after the weighted sum, attending in latent space.
-With the K3 output gate, W_UV cannot be folded into o_proj (the gate sits between them).
+With the K3 output gate, W_UV cannot be folded into o_proj (the gate sits between them). With tensor parallelism a
+module holds its rank's heads (the latent cache whole) and `reduce` sums o_proj's partial output over the tp group.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +40,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.dv, d, bias=False)
         if cfg.mla_use_output_gate:
             self.g_proj = nn.Linear(d, h * self.dv, bias=False)
+        self.reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallelism: the heads' partial sum -> all
 
     def query(self, x: Tensor) -> Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
@@ -65,7 +69,8 @@ class GatedMLA(nn.Module):
         o = o.reshape(b, t, self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x).float())
-        return self.o_proj(o.to(x.dtype)), (latent, k_rope)
+        out = self.o_proj(o.to(x.dtype))
+        return (out if self.reduce is None else self.reduce(out)), (latent, k_rope)
 
     def _softmax(self, scores: Tensor, allowed: Tensor) -> Tensor:
         # A fully padded query row (left padding) gets finite garbage, never NaN; its output is never used.

@@ -1,6 +1,10 @@
-"""Gated MLP (dense layer 0 and the shared experts): down(act(gate(x), up(x))) with SiLU or SiTU."""
+"""Gated MLP (dense layer 0 and the shared experts): down(act(gate(x), up(x))) with SiLU or SiTU. With tensor
+parallelism a module holds its rank's share of the intermediate width and `reduce` sums down's partial output over
+the tp group."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -16,7 +20,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = cfg.hidden_act
         self.beta, self.linear_beta = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+        self.reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         a = glu(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)
-        return self.down_proj(a.to(x.dtype))
+        out = self.down_proj(a.to(x.dtype))
+        return out if self.reduce is None else self.reduce(out)

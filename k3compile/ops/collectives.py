@@ -1,8 +1,10 @@
 """The collectives inside a rank's graph (docs/architecture.md, "Sharding and the runtime"): where a rank's graph
-talks to the other ranks of its expert-parallel group.
+talks to the other ranks of its stage (expert parallelism) or of its tensor-parallel group.
 
-- `k3::all_reduce(x, tag)`: the sum of x over the group. Expert parallelism by all-reduce: each rank's latent
-  partial sum of its expert slice goes through it before the latent norm.
+- `k3::all_reduce(x, tag, part)`: the sum of x over a group. Expert parallelism by all-reduce: each rank's latent
+  partial sum of its expert slice goes through it before the latent norm, over the stage's ranks (`part` 0); with
+  tensor parallelism the attention's and the MLP's / shared experts' partial outputs and the embedding's lookups,
+  over the tp group (`part` 1, 2, 3: sharding/plan.py's AR_PARTS).
 - `k3::all_to_all(x, tag, part)`: x is [G, C, ...], one block per rank of the group; block g goes to rank g, and
   the result's block g is what rank g sent here. Expert parallelism by dispatch: the latent tokens, their expert
   ids and weights go to the ranks holding those experts (`part` 0, 1, 2), the weighted expert outputs come back
@@ -47,9 +49,9 @@ def _run(op: str, x: Tensor, out: Tensor, tag: int, part: int = 0) -> None:
         _collective(op, x, out, int(tag), int(part))
 
 
-def all_reduce_eager(x: Tensor, tag: int = 0) -> Tensor:
+def all_reduce_eager(x: Tensor, tag: int = 0, part: int = 0) -> Tensor:
     out = torch.empty_like(x)
-    _run("all_reduce", x, out, tag)
+    _run("all_reduce", x.contiguous(), out, tag, part)
     return out
 
 
@@ -64,7 +66,7 @@ all_to_all = torch.library.custom_op("k3::all_to_all", all_to_all_eager, mutates
 
 
 @all_reduce.register_fake
-def _(x, tag=0):
+def _(x, tag=0, part=0):
     return torch.empty_like(x)
 
 
@@ -73,10 +75,10 @@ def _(x, tag=0, part=0):
     return torch.empty_like(x)
 
 
-# ---- ONNX: k3.AllReduce(x) {tag}, k3.AllToAll(x) {tag, part}; bodies Identity (a group of one) -------------------
+# ---- ONNX: k3.AllReduce(x) {tag, part}, k3.AllToAll(x) {tag, part}; bodies Identity (a group of one) -------------
 ALL_REDUCE = "AllReduce"
 ALL_TO_ALL = "AllToAll"
-ATTRIBUTES = {ALL_REDUCE: {"tag": int}, ALL_TO_ALL: {"tag": int, "part": int}}
+ATTRIBUTES = {ALL_REDUCE: {"tag": int, "part": int}, ALL_TO_ALL: {"tag": int, "part": int}}
 
 
 def onnx_schemas():
@@ -84,7 +86,7 @@ def onnx_schemas():
 
     return [
         schema(ALL_REDUCE, [("x", "T", False)], [("y", "T")], ATTRIBUTES[ALL_REDUCE], {"T": ["tensor(float)"]},
-               "Sum of x over the ranks of the expert-parallel group (tag: which call, for the runtime's schedule). "
+               "Sum of x over a group of ranks (tag, part: which call and group, for the runtime's schedule). "
                "A single process is a group of one: the identity."),
         schema(ALL_TO_ALL, [("x", "T", False)], [("y", "T")], ATTRIBUTES[ALL_TO_ALL],
                {"T": ["tensor(float)", "tensor(int64)"]},
@@ -102,10 +104,10 @@ def onnx_function(name: str, opset: int):
     return b.function(name, ["x"], ["y"], list(ATTRIBUTES[name]), opset, doc)
 
 
-def all_reduce_translation(x, tag=0):
+def all_reduce_translation(x, tag=0, part=0):
     from onnxscript.values import Opset
 
-    return getattr(Opset("k3", 1), ALL_REDUCE)(x, tag=int(tag))
+    return getattr(Opset("k3", 1), ALL_REDUCE)(x, tag=int(tag), part=int(part))
 
 
 def all_to_all_translation(x, tag=0, part=0):
@@ -130,8 +132,8 @@ def tvm_convert(name: str):
     return convert
 
 
-def _tvm_all_reduce(x, tag, out) -> None:
-    _run("all_reduce", torch.from_dlpack(x), torch.from_dlpack(out), tag)
+def _tvm_all_reduce(x, tag, part, out) -> None:
+    _run("all_reduce", torch.from_dlpack(x), torch.from_dlpack(out), tag, part)
 
 
 def _tvm_all_to_all(x, tag, part, out) -> None:
@@ -139,7 +141,7 @@ def _tvm_all_to_all(x, tag, part, out) -> None:
 
 
 def host_functions() -> dict:
-    """symbol -> the collective on host arrays (x, tag[, part], out), as a GPU rank's launch plan calls it."""
+    """symbol -> the collective on host arrays (x, tag, part, out), as a GPU rank's launch plan calls it."""
     def wrap(fn):
         return lambda *a: fn(*(torch.from_numpy(x) if hasattr(x, "__array_interface__") else x for x in a))
 

@@ -10,7 +10,7 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
     """Tokens per prompt (from each replica's token source), decode speed, and bytes per decode step and per decode
     token of every rank and collective, next to the plan's prediction (sharding/cost.py)."""
     from k3compile.manifest import read_sharded
-    from k3compile.sharding.cost import WIRE_BYTES, step_bytes
+    from k3compile.sharding.cost import COLLECTIVES, WIRE_BYTES, step_bytes
 
     doc, cfg, plan = read_sharded(folder, rank=0)
     tokens: list[list[int]] = []
@@ -25,8 +25,7 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
     for r in results:
         rows = r["rows"][1] - r["rows"][0]  # its replica's: the tokens each step makes there
         steps = max(r["decode_steps"], 1)
-        measured = {op: r["bytes_decode"].get(op, 0) / steps for op in ("all_reduce", "all_to_all", "send",
-                                                                         "broadcast")}
+        measured = {op: r["bytes_decode"].get(op, 0) / steps for op in COLLECTIVES}
         predicted = step_bytes(cfg, plan, r["rank"], len(tokens), wire_bytes=WIRE_BYTES[r.get("wire", "fp32")])
         ranks.append({"rank": r["rank"], "rows": rows, "own_rows": r["own_rows"], "padded_rows": r["padded_rows"],
                       "decode_steps": r["decode_steps"], "bytes_per_step": measured,

@@ -7,8 +7,10 @@ folder (JSON). It joins the run's store (runtime/rendezvous.py), checks its own 
 every token (a GPU target's rank runs its launch plan on its device instead: backends/executor.py):
 
     recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
-    latent partial sums, or all-to-all dispatch and combine, over its expert-parallel group: ops/collectives.py)
-    -> send the carry on -> the new tokens are broadcast from the last stage to every rank of the replica.
+    latent partial sums, or all-to-all dispatch and combine, over its stage's ranks; with tensor parallelism the
+    attention's, MLP's and embedding's all-reduces over its tp group: ops/collectives.py) -> (tp) the logits of
+    each vocabulary slice gathered at the token source -> send the carry on -> the new tokens are broadcast from the
+    last stage to every rank of the replica.
 
 Tensors cross between TVM and torch by DLPack (no copies). Every collective checks its place in the schedule and
 counts the payload bytes it hands over (`Stats`), which `run --stats` prints beside the plan's prediction. A peer
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3compile.errors import UserError
-from k3compile.sharding.plan import A2A_DISPATCH, A2A_ID_COLUMN
+from k3compile.sharding.plan import A2A_DISPATCH, A2A_ID_COLUMN, AR_LATENT, AR_PARTS
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a peer
 
@@ -74,8 +76,10 @@ class Rank:
         import torch.distributed as dist
 
         from k3compile.manifest import read_sharded
+        from k3compile.sharding.tensor import rank_config
 
         self.doc, self.cfg, self.plan = read_sharded(folder, rank)
+        self.state_cfg = rank_config(self.cfg, self.plan.mesh.tp)  # its decode state's shapes (its heads)
         ranks = world - 1 if options.serve else world  # a server's world has its controller besides the mesh
         if ranks != self.plan.mesh.size:
             raise RuntimeFault(f"rank {rank}: the world has {ranks} ranks, the mesh {self.plan.mesh} needs "
@@ -86,8 +90,9 @@ class Rank:
         self.stats = Stats()
         self.wire = options.wire
         timeout = datetime.timedelta(seconds=options.timeout)
-        ep_groups, replicas = process_groups(self.plan, timeout)
+        ep_groups, tp_groups, replicas = process_groups(self.plan, timeout)
         self.ep_group = ep_groups[self.p.replica, self.p.stage]
+        self.tp_group = tp_groups.get((self.p.replica, self.p.stage, self.p.shard // self.plan.mesh.tp))
         self.replica = replicas[self.p.replica]
         # a server's world also holds its controller (backends/sharded.py): tensors go point to point in a group of
         # every process, the controller's commands over the default group (kept alive while the server is idle)
@@ -140,7 +145,8 @@ class Rank:
         self._open: dict = {}  # tag -> a layer's all-to-all selection, from its dispatch to its outputs (_exchange)
 
     def collective(self, op: str, x, out, tag: int, part: int) -> None:
-        """ops/collectives.py's hook: the graph's all-reduce or all-to-all, over this rank's expert-parallel group."""
+        """ops/collectives.py's hook: the graph's all-reduce or all-to-all, over this rank's stage group (ep · tp
+        ranks: the MoE's latent partial sums, the all-to-all) or its tensor-parallel group (attention, MLP)."""
         import torch.distributed as dist
 
         if not self._calls or self._calls[0] != (op, tag, part):
@@ -152,7 +158,10 @@ class Rank:
         if op == "all_reduce":
             self.stats.add(op, nbytes)
             out.copy_(x)
-            self._talk(f"the all-reduce of layer {tag}", peers, dist.all_reduce, out, group=self.ep_group)
+            if part != AR_LATENT:
+                peers = self.plan.tp_group(self.p.rank)
+            self._talk(f"the all-reduce of layer {tag} ({AR_PARTS[part]})", peers, dist.all_reduce, out,
+                       group=self.ep_group if part == AR_LATENT else self.tp_group)
         else:
             self._exchange(x, out, tag, part, peers)
 
@@ -239,7 +248,7 @@ class Rank:
         if self.p.first:
             feeds = [ids]
         feeds = [*feeds, mask, *past]
-        if self.plan.mesh.ep > 1:
+        if self.plan.mesh.group > 1:
             feeds.append(torch.tensor(self.p.experts[0], dtype=torch.int64))
         self.expect_collectives()
         head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
@@ -250,6 +259,25 @@ class Rank:
             if s["op"] == "send":
                 self.send(outs[:head], s["to"])
         return outs, head
+
+    def whole_logits(self, logits):
+        """The logits of the whole vocabulary on the token source, from each rank's vocabulary slice (tp > 1: the
+        ranks of the source's tensor-parallel group gather theirs there in t order, sharding/tensor.py); as they
+        are at tp = 1, None on a rank of that group that is not the source. Every rank of the group calls it."""
+        import torch
+        import torch.distributed as dist
+
+        gather = next((s for s in self.schedule if s["op"] == "gather"), None)
+        if gather is None:
+            return logits
+        piece = logits.float().contiguous()
+        source = gather["to"]
+        if self.p.rank != source:
+            self.stats.add("gather", piece.numel() * piece.element_size())
+        pieces = [torch.empty_like(piece) for _ in gather["group"]] if self.p.rank == source else None
+        self._talk("gathering the logits", gather["group"], dist.gather, piece, pieces, dst=source,
+                   group=self.tp_group)
+        return torch.cat(pieces, dim=-1) if pieces is not None else None
 
     def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], micro_batches: int = 1):
         """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
@@ -272,13 +300,14 @@ class Rank:
             logits.append(outs[0] if self.p.last else None)
             presents.append(outs[head:])
         present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
+        if self.p.last:
+            last = self.whole_logits((logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1])
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
         sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s, (lo, hi, padded) in zip(sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
             if self.p.rank == s["from"]:
-                last = logits[0] if len(parts) == 1 else torch.cat(logits)
-                buf.copy_(pick(last[:, -1]))
+                buf.copy_(pick(last))
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, present
@@ -304,17 +333,20 @@ def host_rows(buf, dispatch: bool):
     return torch.cat([buf[:, :-4].float(), bits.reshape(-1, 2)], dim=1)
 
 
-def process_groups(plan, timeout) -> tuple[dict, dict]:
+def process_groups(plan, timeout) -> tuple[dict, dict, dict]:
     """Every group of the mesh, made in one order by every process of the world (torch.distributed's rule: a
-    server's controller makes them too): ({(replica, stage): its expert-parallel group}, {replica: its group})."""
+    server's controller makes them too): ({(replica, stage): its group of ep · tp ranks}, {(replica, stage, e): its
+    tensor-parallel group} (tp > 1), {replica: its group})."""
     import torch.distributed as dist
 
-    mesh, ep, replicas = plan.mesh, {}, {}
+    mesh, ep, tp, replicas = plan.mesh, {}, {}, {}
     for d in range(mesh.dp):
         for s in range(mesh.pp):
-            ep[d, s] = dist.new_group([mesh.rank(d, s, e) for e in range(mesh.ep)], timeout=timeout)
+            ep[d, s] = dist.new_group([mesh.rank(d, s, g) for g in range(mesh.group)], timeout=timeout)
+            for e in range(mesh.ep if mesh.tp > 1 else 0):
+                tp[d, s, e] = dist.new_group(plan.tp_group(mesh.rank(d, s, e * mesh.tp)), timeout=timeout)
         replicas[d] = dist.new_group(plan.replica_group(d), timeout=timeout)
-    return ep, replicas
+    return ep, tp, replicas
 
 
 def own_rows(t, lo: int, hi: int, padded: int):
@@ -373,7 +405,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
         prompts = options.prompts[first:end]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-        past = [t for state in init_past(cfg, padded)[slice(*p.layers)] for t in state]
+        past = [t for state in init_past(me.state_cfg, padded)[slice(*p.layers)] for t in state]
         gen = torch.Generator().manual_seed(options.seed)
 
         def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
@@ -433,8 +465,9 @@ START_S = 1800.0  # seconds loading every rank's library may take before the con
 
 def holds_rows(plan, r: int) -> bool:
     """Whether rank r's rows of the state are its own: every shard with all-to-all dispatch, else each stage's first
-    (the others of its expert-parallel group hold the same rows)."""
-    return plan.dispatch == "all_to_all" or plan.mesh.coords(r)[2] == 0
+    tensor-parallel group (the others of the stage hold the same rows; with tp > 1 each of the first group holds
+    its heads' share: sharding/tensor.py, state_piece)."""
+    return plan.dispatch == "all_to_all" or plan.mesh.coords(r)[2] < plan.mesh.tp
 
 
 def state_shapes(cfg, layers: tuple[int, int], rows: int, length: int) -> list[tuple[int, ...]]:
@@ -466,7 +499,7 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
                             timeout=datetime.timedelta(seconds=options.timeout))
     try:
         me = Rank(Path(folder), rank, world, options)
-        cfg, plan, p, ctl = me.cfg, me.plan, me.p, world - 1
+        cfg, plan, p, ctl = me.state_cfg, me.plan, me.p, world - 1
         store.set(f"{READY}{rank}", "1")  # loaded; the controller says go when every rank is (loading takes long)
         store.wait([GO], datetime.timedelta(seconds=START_S))
         set_collective(me.collective)
@@ -504,8 +537,10 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
                         torch.zeros(s) for s in state_shapes(cfg, p.layers, padded, 0)]
                     outs, head = me.forward(own_rows(ids, lo, hi, padded), own_rows(mask, lo, hi, padded), past)
                     slots[out] = outs[head:]
+                    if p.last:
+                        logits = me.whole_logits(outs[0][:hi - lo] if cmd == STEP_ALL else outs[0][:hi - lo, -1])
                     if rank in sources:
-                        me.send([(outs[0][:hi - lo] if cmd == STEP_ALL else outs[0][:hi - lo, -1]).float()], ctl)
+                        me.send([logits.float()], ctl)
                 else:
                     raise RuntimeFault(f"rank {rank}: unknown command {cmd} from the controller")
     finally:

@@ -17,8 +17,18 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from k3compile.config import K3Config
-from k3compile.sharding.plan import Mesh, PlanError, RankPlan, ShardPlan, carry_names, make_plan, slice_runs
+from k3compile.sharding.plan import (
+    AR_LATENT,
+    Mesh,
+    PlanError,
+    RankPlan,
+    ShardPlan,
+    carry_names,
+    make_plan,
+    slice_runs,
+)
 
+COLLECTIVES = ("all_reduce", "all_to_all", "send", "broadcast", "gather")  # what a step's bytes are counted by
 TOKEN_BYTES = 8  # int64 token ids
 COUNT_BYTES = 8  # an all-to-all's int64 row count for each destination
 WIRE_BYTES = {"fp32": 4, "bf16": 2}  # `run --wire-dtype`: the all-to-all's latent vectors
@@ -28,43 +38,50 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Sizes:
-    """Element counts of a config's tensors from a meta model: per layer (dense elements, routed-expert elements
-    that are float, routed-expert bytes that are MXFP4 packed codes and scales), and the embedding and the head (the
-    final norm, the output AttnRes and lm_head; a tied head counts the embedding again)."""
+    """Element counts of a config's tensors from a meta model: per layer (dense elements every rank of a stage holds
+    whole, routed-expert elements that are float, routed-expert bytes that are MXFP4 packed codes and scales, dense
+    elements tensor parallelism splits: sharding/tensor.py), and the embedding and the head (the final norm, the
+    output AttnRes and lm_head; a tied head counts the embedding again), and of the head lm_head's elements (split
+    by vocabulary with tp > 1, as the embedding is)."""
 
-    layers: tuple[tuple[int, int, int], ...]
+    layers: tuple[tuple[int, int, int, int], ...]
     embed: int
     head: int
+    lm_head: int = 0
 
     @classmethod
     def of(cls, cfg: K3Config) -> Sizes:
         import torch
 
         from k3compile.model.k3 import K3ForCausalLM
+        from k3compile.sharding.tensor import split_dim
 
         with torch.device("meta"):
             model = K3ForCausalLM(cfg)
-        layers = [[0, 0, 0] for _ in range(cfg.num_hidden_layers)]
-        embed = head = 0
+        layers = [[0, 0, 0, 0] for _ in range(cfg.num_hidden_layers)]
+        embed = head = lm_head = 0
         for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
             m = _LAYER.match(name)
             if m:
                 row = layers[int(m.group(1))]
-                row[2 if ".experts." in name and t.element_size() == 1 else 1 if ".experts." in name else 0] += \
-                    t.numel()
+                row[2 if ".experts." in name and t.element_size() == 1 else 1 if ".experts." in name else
+                    3 if split_dim(cfg, name) is not None else 0] += t.numel()
             elif "embed_tokens" in name:
                 embed += t.numel()
             else:
                 head += t.numel()
-        return cls(tuple(map(tuple, layers)), embed, head)
+                lm_head += t.numel() if name.startswith("lm_head.") else 0
+        return cls(tuple(map(tuple, layers)), embed, head, lm_head)
 
 
 def rank_weights(cfg: K3Config, sizes: Sizes, p: RankPlan, dtype_bytes: int) -> dict[str, int]:
     """Weight bytes a rank holds by format: dense (attention, router, shared experts, norms, embedding / head) at
-    `dtype_bytes` per element, routed experts as stored (MXFP4: packed bytes + E8M0 scales; float: dtype_bytes)."""
+    `dtype_bytes` per element (what tensor parallelism splits, its 1/tp share), routed experts as stored (MXFP4:
+    packed bytes + E8M0 scales; float: dtype_bytes)."""
     share = (p.experts[1] - p.experts[0]) / cfg.num_experts if cfg.num_experts else 0.0
     rows = sizes.layers[p.layers[0]:p.layers[1]]
-    dense = sum(r[0] for r in rows) + (sizes.embed if p.first else 0) + (sizes.head if p.last else 0)
+    dense = (sum(r[0] + r[3] // p.tp for r in rows) + (sizes.embed // p.tp if p.first else 0)
+             + (sizes.head - sizes.lm_head + sizes.lm_head // p.tp if p.last else 0))
     out = {"dense": dense * dtype_bytes}
     if cfg.expert_format == "mxfp4":
         out["experts_mxfp4"] = round(sum(r[2] for r in rows) * share)
@@ -75,15 +92,17 @@ def rank_weights(cfg: K3Config, sizes: Sizes, p: RankPlan, dtype_bytes: int) -> 
 
 def rank_state(cfg: K3Config, p: RankPlan, batch: int, context: int, dtype_bytes: int) -> dict[str, int]:
     """Decode state of a rank's layers for `batch` rows of `context` tokens: KDA conv windows (dtype) and recurrent
-    states (fp32 always), MLA latent cache (kv_lora_rank + rope per token, dtype)."""
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    states (fp32 always) of its heads (1/tp of them), MLA latent cache (kv_lora_rank + rope per token, dtype; whole
+    on every rank of a tensor-parallel group: the heads share it)."""
+    heads = cfg.kda_num_heads // p.tp
+    hk = heads * cfg.kda_head_dim
     kda = mla = 0
     for i in range(*p.layers):
         if cfg.is_mla(i):
             mla += batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
         else:
             kda += batch * (3 * hk * (cfg.conv_kernel_size - 1) * dtype_bytes
-                            + cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4)
+                            + heads * cfg.kda_head_dim * cfg.kda_head_dim * 4)
     return {"kda_state": kda, "mla_cache": mla}
 
 
@@ -99,12 +118,17 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
 
 
 def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
-               width: int | None = None, wire_bytes: int | None = None) -> dict[str, int]:
+               width: int | None = None, wire_bytes: int | None = None, tp_key: bool = False) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
     the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
     the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
-    `wire_bytes`: their element size on the all-to-all's wire (default `dtype_bytes`; `run --wire-dtype`).
+    `wire_bytes`: their element size on the all-to-all's wire (default `dtype_bytes`; `run --wire-dtype`). An
+    all-reduce counts its tensor: a MoE layer's latent partial sums [rows, D_e], with tp > 1 an attention's or an
+    MLP's output [rows, D] (`tp_key`: those also apart, as "all_reduce_tp", for their ring of tp ranks); with tp > 1
+    the embedding's lookups [rows, D] on the first stage, and a gather of the last position's logits of each rank's
+    vocabulary slice [rows, V / tp] from the token source's tensor-parallel group (the source's own piece does not
+    cross).
 
     The all-to-all's figure is an expectation under uniform routing (each slot on expert e with probability 1/E):
     per MoE layer a count to each other rank (int64), then the slots routed off this rank (the share of experts
@@ -120,12 +144,15 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
     width = width or cfg.latent_size
     wire = wire_bytes or dtype_bytes
     a2a = {"dispatch": width * wire + 2 * 4, "outputs": width * wire}  # per token slot (the id and weight: fp32)
-    out = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
+    out = dict.fromkeys(COLLECTIVES, 0)
     for step in plan.schedule(rank, cfg):
         if step["op"] == "run":
             for c in step["collectives"]:
                 if c["op"] == "all_reduce":
-                    out["all_reduce"] += rows * cfg.latent_size * dtype_bytes
+                    width_of = cfg.latent_size if c["part"] == AR_LATENT else cfg.hidden_size
+                    out["all_reduce"] += rows * width_of * dtype_bytes
+                    if tp_key and c["part"] != AR_LATENT:
+                        out["all_reduce_tp"] = out.get("all_reduce_tp", 0) + rows * width_of * dtype_bytes
                 else:
                     counts = (ep - 1) * COUNT_BYTES if c["tensor"] == "dispatch" else 0
                     out["all_to_all"] += counts + round(slots * moved[c["tensor"]] * a2a[c["tensor"]])
@@ -133,6 +160,8 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
             out["send"] += len(step["tensors"]) * rows * cfg.hidden_size * dtype_bytes
         elif step["op"] == "broadcast" and step["from"] == rank:
             out["broadcast"] += rows * TOKEN_BYTES
+        elif step["op"] == "gather" and step["to"] != rank:
+            out["gather"] += rows * cfg.vocab_size // plan.mesh.tp * dtype_bytes
     return out
 
 
@@ -156,7 +185,7 @@ def rank_read_bytes(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, context
     rows x top-k routings touch at least once under uniform routing, 1 - (1 - 1/E)^(rows k), its KDA states read and
     written back, and its MLA caches read (context positions) plus the new position written."""
     w = rank_weights(cfg, sizes, p, dtype_bytes)
-    dense = w["dense"] - (sizes.embed * dtype_bytes - rows * cfg.hidden_size * dtype_bytes if p.first else 0)
+    dense = w["dense"] - (sizes.embed // p.tp * dtype_bytes - rows * cfg.hidden_size * dtype_bytes if p.first else 0)
     experts = w.get("experts_mxfp4", w.get("experts_float", 0))
     touched = 1 - (1 - 1 / cfg.num_experts) ** (rows * cfg.num_experts_per_token) if cfg.num_experts else 0.0
     state = rank_state(cfg, p, rows, context, dtype_bytes)
@@ -164,41 +193,52 @@ def rank_read_bytes(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, context
     return dense + round(experts * touched) + 2 * state["kda_state"] + state["mla_cache"] + new_row
 
 
-def link_seconds(moved: dict[str, int], ep: int, device: Device) -> float:
-    """Seconds a rank's collectives of one step take on its link, from the payload bytes step_bytes counts: a ring
-    all-reduce sends 2(n-1)/n of its tensor, an all-to-all the blocks that leave, a send or broadcast its tensor."""
-    ring = 2 * (ep - 1) / ep if ep > 1 else 0.0
-    return (moved["all_reduce"] * ring + moved["all_to_all"] + moved["send"] + moved["broadcast"]) / device.link
+def link_seconds(moved: dict[str, int], mesh: Mesh, device: Device) -> float:
+    """Seconds a rank's collectives of one step take on its link, from the payload bytes step_bytes counts (with
+    tp_key): a ring all-reduce over n ranks sends 2(n-1)/n of its tensor (n: the stage's ep · tp ranks for the MoE's
+    latent sums, tp for the attention's and MLP's), an all-to-all the blocks that leave, a send or broadcast its
+    tensor."""
+    def ring(n: int) -> float:
+        return 2 * (n - 1) / n
+
+    tp = moved.get("all_reduce_tp", 0)
+    return ((moved["all_reduce"] - tp) * ring(mesh.group) + tp * ring(mesh.tp) + moved["all_to_all"]
+            + moved["send"] + moved["broadcast"] + moved["gather"]) / device.link
 
 
 def candidate_meshes(cfg: K3Config, devices: int) -> list[Mesh]:
-    """Every (ep, pp, dp) with ep · pp · dp = devices that make_plan accepts, the widest expert parallelism first."""
+    """Every (tp, ep, pp, dp) with tp · ep · pp · dp = devices that make_plan accepts: tp = 1 first, then wider tensor
+    parallelism; within a tp the widest expert parallelism first."""
     out = []
-    for ep in range(devices, 0, -1):
-        if devices % ep:
-            continue
-        for pp in range(1, devices // ep + 1):
-            if (devices // ep) % pp:
+    for tp in (t for t in range(1, devices + 1) if devices % t == 0):
+        rest = devices // tp
+        for ep in range(rest, 0, -1):
+            if rest % ep:
                 continue
-            mesh = Mesh(ep, pp, devices // (ep * pp))
-            try:
-                make_plan(cfg, mesh)
-            except PlanError:
-                continue
-            out.append(mesh)
+            for pp in range(1, rest // ep + 1):
+                if (rest // ep) % pp:
+                    continue
+                mesh = Mesh(ep, pp, rest // (ep * pp), tp)
+                try:
+                    make_plan(cfg, mesh)
+                except PlanError:
+                    continue
+                out.append(mesh)
     return out
 
 
 def alike_ranks(plan: ShardPlan, batch: int) -> list[tuple[int, int]]:
     """(lowest rank, count) of each class of ranks that hold and move the same bytes for a `batch`-row batch: a
-    rank's figures depend only on its stage, the length of its expert slice, its replica's row count and whether it
-    broadcasts the new tokens. At most 2 (row counts: even_slices) x 4 (slice lengths x broadcasting) classes a
+    rank's figures depend only on its stage, the length of its expert slice, its replica's row count, whether it
+    broadcasts the new tokens and (tp > 1) whether it is of the token source's tensor-parallel group (it gathers its
+    logits there). At most 2 (row counts: even_slices) x 8 (slice lengths x broadcasting x gathering) classes a
     stage, whatever the mesh's size: pricing every rank took minutes for 1024 devices."""
     mesh = plan.mesh
     sources = {mesh.coords(r)[2] for r in plan.token_sources(0)}  # the same shards in every replica
-    shards: dict[tuple[int, bool], list[int]] = {}  # (slice length, broadcasts) -> [first shard, count]
+    gathers = {g for g in range(mesh.group) if mesh.tp > 1 and any(g // mesh.tp == x // mesh.tp for x in sources)}
+    shards: dict[tuple[int, bool, bool], list[int]] = {}  # (slice length, broadcasts, gathers) -> [first, count]
     for e, (a, b) in enumerate(plan.slices):
-        shards.setdefault((b - a, e in sources), [e, 0])[1] += 1
+        shards.setdefault((b - a, e in sources, e in gathers), [e, 0])[1] += 1
     return [(mesh.rank(d, s, e), replicas * n) for _, d, replicas in slice_runs(batch, mesh.dp)
             for s in range(mesh.pp) for e, n in shards.values()]
 
@@ -223,7 +263,7 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     w = DTYPE_BYTES[dtype]
     parts = micro_parts(mesh, batch, micro_batches)
     worst: dict | None = None
-    total = {"all_reduce": 0, "all_to_all": 0, "send": 0, "broadcast": 0}
+    total = dict.fromkeys(COLLECTIVES, 0)
     longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
     stages: dict[tuple[int, int], float] = {}  # (replica, stage) -> its slowest rank's predicted seconds a step
     for r, count in alike_ranks(plan, batch):
@@ -238,15 +278,15 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             fixed = row["total"] - mem["mla_cache"]
             holds = max(0, (device_memory - fixed) // per_token)
             longest = holds if longest is None else min(longest, holds)
-        moved = step_bytes(cfg, plan, r, batch, w)
-        for k, v in moved.items():
-            total[k] += count * v
+        moved = step_bytes(cfg, plan, r, batch, w, tp_key=True)
+        for k in total:
+            total[k] += count * moved[k]
         part = -(-b // parts)  # the largest micro-batch's rows; its collectives carry that share of the step's bytes
         seconds = rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth + link_seconds(
-            {k: v * part / b for k, v in moved.items()}, mesh.ep, device)
+            {k: v * part / b for k, v in moved.items()}, mesh, device)
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
-    if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
+    if mesh.ep > 1 and mesh.tp == 1:  # the other dispatch on the same mesh, at latent and at hidden width
         other = make_plan(cfg, mesh, "all_to_all")
         latent = full = 0
         for r, count in alike_ranks(other, batch):
@@ -256,7 +296,7 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     assert worst is not None
     times = [[stages[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in stages]
     step = max(sum(t) + (parts - 1) * max(t) for t in times)  # one micro-batch through, then M - 1 at the slowest
-    return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
+    return {"mesh": str(mesh), "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
             "max_context": min(longest, cfg.max_position_embeddings) if longest is not None

@@ -1,8 +1,12 @@
 """The device mesh and the declarative shard plan (docs/architecture.md, "Sharding and the runtime").
 
-A `Mesh` has three degrees: data parallel (dp: replicas, each decoding its own rows of the batch), pipeline parallel
-(pp: stages, each a contiguous range of layers) and expert parallel (ep: ranks of a stage, each holding a contiguous
-slice of every MoE layer's routed experts and a replica of everything else). Rank r = (d · pp + s) · ep + e.
+A `Mesh` has four degrees: data parallel (dp: replicas, each decoding its own rows of the batch), pipeline parallel
+(pp: stages, each a contiguous range of layers), expert parallel (ep) and tensor parallel (tp). A stage has
+G = ep · tp ranks (its `group`); each holds a contiguous slice of every MoE layer's routed experts (expert
+parallelism spans the tp × ep ranks of a stage, as serving systems do). With tp > 1 the ranks of a tensor-parallel
+group (tp consecutive shards) also split the attention by heads and the dense MLP and shared experts by their
+intermediate width (sharding/tensor.py), each block's output summed over the group. Rank r = (d · pp + s) · G + g,
+the shard g = e · tp + t.
 
 `make_plan(cfg, mesh, dispatch)` places every layer and expert: stage cuts balanced by layer count and moved onto
 Block AttnRes block edges where that keeps every stage non-empty; expert slices as even as the count allows (8
@@ -44,6 +48,7 @@ class Mesh:
     ep: int = 1
     pp: int = 1
     dp: int = 1
+    tp: int = 1
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
@@ -51,14 +56,14 @@ class Mesh:
         take "２" and "١"), of at most MAX_RANKS ranks."""
         degrees: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in str(text).split(","))):
-            m = re.fullmatch(r"(ep|pp|dp)\s*=\s*([0-9]+)", part)
+            m = re.fullmatch(r"(tp|ep|pp|dp)\s*=\s*([0-9]+)", part)
             if not m or m.group(1) in degrees:
-                raise PlanError(f"--mesh {text!r}: expected degrees like ep=4,pp=2 (ep, pp, dp; each once)")
+                raise PlanError(f"--mesh {text!r}: expected degrees like ep=4,pp=2 (tp, ep, pp, dp; each once)")
             if len(m.group(2).lstrip("0")) > len(str(MAX_RANKS)):  # int() refuses 4300 digits with a traceback
                 raise PlanError(f"--mesh {text!r}: a mesh has at most {MAX_RANKS} ranks")
             degrees[m.group(1)] = int(m.group(2))
         mesh = cls(**degrees)
-        if min(mesh.ep, mesh.pp, mesh.dp) < 1:
+        if min(mesh.ep, mesh.pp, mesh.dp, mesh.tp) < 1:
             raise PlanError(f"--mesh {text!r}: every degree must be at least 1")
         if mesh.size > MAX_RANKS:
             raise PlanError(f"--mesh {text!r}: a mesh has at most {MAX_RANKS} ranks, this one {mesh.size}")
@@ -66,17 +71,23 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return self.ep * self.pp * self.dp
+        return self.group * self.pp * self.dp
+
+    @property
+    def group(self) -> int:
+        """G: the ranks of one stage of one replica (they split its routed experts)."""
+        return self.ep * self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """rank -> (d, s, e)."""
-        return rank // (self.pp * self.ep), rank // self.ep % self.pp, rank % self.ep
+        """rank -> (d, s, g): replica, stage, shard within the stage's group."""
+        return rank // (self.pp * self.group), rank // self.group % self.pp, rank % self.group
 
-    def rank(self, d: int, s: int, e: int) -> int:
-        return (d * self.pp + s) * self.ep + e
+    def rank(self, d: int, s: int, g: int) -> int:
+        return (d * self.pp + s) * self.group + g
 
     def __str__(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in (("ep", self.ep), ("pp", self.pp), ("dp", self.dp)) if v > 1) or "ep=1"
+        degrees = (("tp", self.tp), ("ep", self.ep), ("pp", self.pp), ("dp", self.dp))
+        return ",".join(f"{k}={v}" for k, v in degrees if v > 1) or "ep=1"
 
 
 @dataclass(frozen=True)
@@ -84,11 +95,13 @@ class RankPlan:
     rank: int
     replica: int  # d
     stage: int  # s
-    shard: int  # e: the index within the stage's expert-parallel group
+    shard: int  # g: the index within the stage's group (ep · tp ranks)
     layers: tuple[int, int]
     experts: tuple[int, int]  # the routed-expert slice of every MoE layer of the stage
     first: bool  # holds the embedding (stage 0)
     last: bool  # holds the final norm and the head (the last stage)
+    tensor: int = 0  # t = g % tp: its part of the heads and intermediate widths (sharding/tensor.py)
+    tp: int = 1
 
 
 def even_slices(n: int, parts: int) -> list[tuple[int, int]]:
@@ -140,6 +153,11 @@ DISPATCH = ("all_reduce", "all_to_all")
 A2A_PARTS = ("dispatch", "outputs")
 A2A_DISPATCH, A2A_OUTPUTS = range(len(A2A_PARTS))
 A2A_ID_COLUMN = -2  # where a dispatch row holds its expert id
+# What each all-reduce of a layer sums (its part): the MoE's latent partial sums over the stage's group (ep · tp), and
+# with tp > 1 the attention's and the dense MLP's / shared experts' output partial sums over the tensor-parallel group,
+# and the embedding's (tag 0: each rank looks up the ids of its vocabulary slice).
+AR_PARTS = ("latent_partial_sum", "attention_output", "ffn_output", "embedding_output")
+AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED = range(len(AR_PARTS))
 
 
 @dataclass(frozen=True)
@@ -153,19 +171,26 @@ class ShardPlan:
     def rank(self, r: int) -> RankPlan:
         if not 0 <= r < self.mesh.size:
             raise PlanError(f"rank {r} is outside the mesh {self.mesh} ({self.mesh.size} ranks)")
-        d, s, e = self.mesh.coords(r)
-        return RankPlan(r, d, s, e, (self.cuts[s], self.cuts[s + 1]), self.slices[e], s == 0,
-                        s == self.mesh.pp - 1)
+        d, s, g = self.mesh.coords(r)
+        return RankPlan(r, d, s, g, (self.cuts[s], self.cuts[s + 1]), self.slices[g], s == 0,
+                        s == self.mesh.pp - 1, g % self.mesh.tp, self.mesh.tp)
 
     def ranks(self) -> list[RankPlan]:
         return [self.rank(r) for r in range(self.mesh.size)]
 
     def ep_group(self, r: int) -> list[int]:
+        """The ranks of r's stage in its replica (ep · tp): they hold the stage's expert slices."""
         d, s, _ = self.mesh.coords(r)
-        return [self.mesh.rank(d, s, e) for e in range(self.mesh.ep)]
+        return [self.mesh.rank(d, s, g) for g in range(self.mesh.group)]
+
+    def tp_group(self, r: int) -> list[int]:
+        """The tp ranks that split r's heads and intermediate widths (r alone at tp = 1)."""
+        d, s, g = self.mesh.coords(r)
+        first = g - g % self.mesh.tp
+        return [self.mesh.rank(d, s, first + t) for t in range(self.mesh.tp)]
 
     def replica_group(self, d: int) -> list[int]:
-        return [self.mesh.rank(d, s, e) for s in range(self.mesh.pp) for e in range(self.mesh.ep)]
+        return [self.mesh.rank(d, s, g) for s in range(self.mesh.pp) for g in range(self.mesh.group)]
 
     def token_sources(self, d: int) -> list[int]:
         """The ranks that pick replica d's next tokens and broadcast them: the last stage's first shard (all_reduce:
@@ -185,22 +210,34 @@ class ShardPlan:
         return lo + a, lo + b, first[1] - first[0]
 
     def schedule(self, r: int, cfg: K3Config) -> list[dict]:
-        """Rank r's decode step, in order: recv / run (with its collectives) / send / broadcast."""
+        """Rank r's decode step, in order: recv / run (with its collectives) / gather (tp > 1: the logits of each
+        rank's vocabulary slice to the token source) / send / broadcast."""
         p, mesh = self.rank(r), self.mesh
         steps: list[dict] = []
         if not p.first:
             steps.append({"op": "recv", "from": mesh.rank(p.replica, p.stage - 1, p.shard),
                           "tensors": carry_names(cfg, p.layers[0])})
         a, b = p.layers
-        moe = [i for i in self.moe_layers if a <= i < b] if mesh.ep > 1 else []
-        group = self.ep_group(r)
-        if self.dispatch == "all_to_all":
-            calls = [{"op": "all_to_all", "tag": i, "part": k, "tensor": what, "group": group}
-                     for i in moe for k, what in enumerate(A2A_PARTS)]
-        else:
-            calls = [{"op": "all_reduce", "tag": i, "part": 0, "tensor": "latent_partial_sum", "group": group}
-                     for i in moe]
+        group, tp = self.ep_group(r), self.tp_group(r)
+        calls = []
+        if mesh.tp > 1 and p.first:
+            calls.append({"op": "all_reduce", "tag": 0, "part": AR_EMBED, "tensor": AR_PARTS[AR_EMBED], "group": tp})
+        for i in range(a, b):  # in the order a layer runs them: attention, routed experts, shared experts / MLP
+            if mesh.tp > 1:
+                calls.append({"op": "all_reduce", "tag": i, "part": AR_ATTENTION, "tensor": AR_PARTS[AR_ATTENTION],
+                              "group": tp})
+            if i in self.moe_layers and mesh.group > 1:
+                if self.dispatch == "all_to_all":
+                    calls += [{"op": "all_to_all", "tag": i, "part": k, "tensor": what, "group": group}
+                              for k, what in enumerate(A2A_PARTS)]
+                else:
+                    calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT, "tensor": AR_PARTS[AR_LATENT],
+                                  "group": group})
+            if mesh.tp > 1 and (i not in self.moe_layers or cfg.num_shared_experts):
+                calls.append({"op": "all_reduce", "tag": i, "part": AR_FFN, "tensor": AR_PARTS[AR_FFN], "group": tp})
         steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": calls})
+        if mesh.tp > 1 and p.last and self.token_sources(p.replica)[0] in tp:  # its vocabulary's logits to the source
+            steps.append({"op": "gather", "to": self.token_sources(p.replica)[0], "group": tp, "tensors": ["logits"]})
         if not p.last:
             steps.append({"op": "send", "to": mesh.rank(p.replica, p.stage + 1, p.shard),
                           "tensors": carry_names(cfg, b)})
@@ -210,7 +247,9 @@ class ShardPlan:
         return steps
 
     def as_record(self) -> dict:
-        return {"mesh": {"ep": self.mesh.ep, "pp": self.mesh.pp, "dp": self.mesh.dp}, "cuts": list(self.cuts),
+        mesh = {"ep": self.mesh.ep, "pp": self.mesh.pp, "dp": self.mesh.dp, **({"tp": self.mesh.tp}
+                                                                                 if self.mesh.tp > 1 else {})}
+        return {"mesh": mesh, "cuts": list(self.cuts),
                 "expert_slices": [list(s) for s in self.slices], "moe_layers": list(self.moe_layers),
                 "dispatch": self.dispatch}
 
@@ -226,9 +265,25 @@ class ShardPlan:
         return plan
 
 
+def check_tp(cfg: K3Config, mesh: Mesh, moe_layers) -> None:
+    """A PlanError naming each width tp does not divide."""
+    widths = {"KDA heads (kda_num_heads)": cfg.kda_num_heads if len(cfg.full_attn_layers) < cfg.num_hidden_layers
+              else None,
+              "MLA heads (num_attention_heads)": cfg.num_attention_heads if cfg.full_attn_layers else None,
+              "dense MLP width (intermediate_size)": cfg.intermediate_size
+              if len(moe_layers) < cfg.num_hidden_layers else None,
+              "shared experts' width (num_shared_experts x moe_intermediate_size)":
+              cfg.num_shared_experts * cfg.moe_intermediate_size if moe_layers and cfg.num_shared_experts else None,
+              "vocabulary (vocab_size)": cfg.vocab_size}
+    bad = [f"{n} {what}" for what, n in widths.items() if n is not None and n % mesh.tp]
+    if bad:
+        raise PlanError(f"mesh {mesh}: tp={mesh.tp} does not divide {cfg.name}'s {', '.join(bad)}")
+
+
 def make_plan(cfg: K3Config, mesh: Mesh, dispatch: str = "all_reduce") -> ShardPlan:
     """The plan of `mesh` for `cfg`, or a PlanError naming what cannot be split."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (mesh.ep, mesh.pp, mesh.dp)):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (mesh.ep, mesh.pp, mesh.dp,
+                                                                                   mesh.tp)):
         raise PlanError(f"mesh {mesh}: every degree must be an integer >= 1")
     if dispatch not in DISPATCH:
         raise PlanError(f"dispatch {dispatch!r} is not one of {', '.join(DISPATCH)}")
@@ -237,10 +292,16 @@ def make_plan(cfg: K3Config, mesh: Mesh, dispatch: str = "all_reduce") -> ShardP
     moe = tuple(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i))
     if mesh.ep > 1 and not moe:
         raise PlanError(f"mesh {mesh}: {cfg.name} has no MoE layer, so there are no experts to split over ep")
-    if mesh.ep > cfg.num_experts:
-        raise PlanError(f"mesh {mesh}: {cfg.num_experts} experts cannot be split over ep={mesh.ep} ranks (a rank "
+    if moe and mesh.group > cfg.num_experts:
+        over = f"ep={mesh.ep}" if mesh.tp == 1 else f"ep x tp = {mesh.group}"
+        raise PlanError(f"mesh {mesh}: {cfg.num_experts} experts cannot be split over {over} ranks (a rank "
                         "would hold none)")
+    if mesh.tp > 1:
+        check_tp(cfg, mesh, moe)
+        if dispatch == "all_to_all":
+            raise PlanError(f"mesh {mesh}: the all-to-all dispatch does not run with tp > 1 yet (the tp ranks of a "
+                            "shard share its rows); use --dispatch all-reduce")
     if mesh.pp > cfg.num_hidden_layers:
         raise PlanError(f"mesh {mesh}: {cfg.num_hidden_layers} layers cannot be split into pp={mesh.pp} stages")
-    return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.ep)), moe,
+    return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.group)), moe,
                      dispatch)

@@ -3,7 +3,7 @@ decode states against eager and against the single-process TVM build, the runtim
 against the accounting rule written out here, two nodes, a killed worker, damaged artifacts, and the network: what
 listens, and an attacker writing pickles into the run's store and sockets.
 
-The six sharded artifacts for llvm (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time;
+The nine sharded artifacts for llvm (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time;
 one for OpenCL (opencl_sharded) after them.
 """
 
@@ -27,19 +27,24 @@ from builders import build_hf
 from k3compile.generate import generate, left_pad
 from k3compile.runtime.launch import run
 from k3compile.runtime.worker import Options
+from k3compile.sharding.tensor import state_piece
 
 PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three (ids below both vocabularies)
 NEW = 32
 A2A = "all-to-all"
-# Six artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2)
+# Nine artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2)
 # and uneven (ep=3: 8 experts as 3 + 3 + 2), stages with slices (ep=2,pp=2: the AttnRes carry between stages), the
-# checkpoint of the family over stages and slices, all-to-all dispatch on uneven slices, and data parallel replicas
-# (test_data_parallel_replicas_decode_their_rows).
+# checkpoint of the family over stages and slices, all-to-all dispatch on uneven slices, tensor parallelism alone,
+# with expert parallelism (the experts over the 4 ranks) and over stages, and data parallel replicas
+# (test_data_parallel_replicas_decode_their_rows). A transformers-built checkpoint under tp: tests/unit/
+# test_tensor_parallel.py (eager ranks).
 CASES = [("k3-tiny", "ep=2", "all-reduce"), ("k3-tiny", "ep=3", "all-reduce"), ("k3-tiny", "ep=2,pp=2", "all-reduce"),
-         ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A)]
+         ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A), ("k3-tiny", "tp=2", "all-reduce"),
+         ("k3-tiny", "tp=2,ep=2", "all-reduce"), ("k3-tiny", "tp=2,pp=2", "all-reduce")]
 # Decode states after 32 steps, distributed vs one process: the expert-parallel all-reduce adds the slices' partial
-# sums, where one process sums all experts in one kernel: fp32 rounding of another order (observed <= 1e-5 on
-# values of order 1). A wrong expert slice or a lost carry tensor moves them by O(1).
+# sums (and tensor parallelism the heads' and widths' partial sums), where one process sums all experts in one
+# kernel: fp32 rounding of another order (observed <= 1e-5 on values of order 1). A wrong expert slice, head slice
+# or a lost carry tensor moves them by O(1).
 STATE_ATOL = 1e-4
 
 
@@ -135,7 +140,11 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> d
     experts outside its slice (a row of the fp32 latent vector, expert id and weight each), and back the fp32 outputs
     of the slots the other ranks' rows route into its slice; every shard of the last stage broadcasts its rows'
     tokens. `wire`: the bytes of a vector element on the all-to-all's wire (2 with `--wire-dtype bf16`, the id and
-    weight still 4 each)."""
+    weight still 4 each). Tensor parallelism (tp > 1) adds per layer of the stage an fp32 [rows, hidden] all-reduce
+    of the attention's output and one of the dense MLP's or the shared experts' output, and the MoE layers'
+    latent all-reduce runs over the ep x tp ranks of the stage; the first stage all-reduces its [rows, hidden]
+    embedding lookups (each rank holds a vocabulary slice), and the last stage's shards 1 .. tp - 1 send shard 0
+    (the token source) their slice of the last position's logits, [rows, vocab / tp] fp32."""
     d, s, e = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
@@ -160,10 +169,14 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> d
                     back = sum(int((owners(r, step[i]) == e).sum()) for r in group if r != rank)
                     moved += (ep - 1) * 8 + out * (cfg.latent_size * wire + 8) + back * cfg.latent_size * wire
         return {"all_reduce": 0, "all_to_all": moved / len(routing),
-                "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0}
-    return {"all_reduce": moe * rows * cfg.latent_size * 4 if ep > 1 else 0, "all_to_all": 0,
-            "send": 0 if last else carry * rows * cfg.hidden_size * 4,
-            "broadcast": rows * 8 if last and e == 0 else 0}
+                "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0,
+                "gather": 0}
+    tp = plan.mesh.tp  # the embedding's lookups, each layer's attention output and its dense MLP's or shared experts'
+    split = (s == 0) + sum(1 + (not cfg.is_moe(i) or cfg.num_shared_experts > 0) for i in range(a, b)) if tp > 1 else 0
+    return {"all_reduce": (moe * cfg.latent_size if ep * tp > 1 else 0) * rows * 4 + split * rows * cfg.hidden_size * 4,
+            "all_to_all": 0, "send": 0 if last else carry * rows * cfg.hidden_size * 4,
+            "broadcast": rows * 8 if last and e == 0 else 0,
+            "gather": rows * cfg.vocab_size // tp * 4 if last and 0 < e < tp else 0}  # to shard 0, the source
 
 
 @pytest.mark.parametrize("model,mesh,dispatch", CASES)
@@ -282,9 +295,11 @@ def check_decode(folder, dispatch, eager, tvm, tmp_path, micro_batches: int = 1)
         assert sorted(got.files) == sorted(f"past.{i}.{n}" for i in range(a, b) for n in
                                            (("latent", "k_rope") if cfg.is_mla(i) else ("conv_state",
                                                                                         "recurrent_state")))
+        p = plan.rank(r)
         for name in got.files:
             i, which = int(name.split(".")[1]), name.split(".")[2]
-            expect = ref[i][0 if which in ("latent", "conv_state") else 1].numpy()[lo:hi]
+            k = 0 if which in ("latent", "conv_state") else 1
+            expect = state_piece(cfg, i, k, ref[i][k], p.tensor, p.tp).numpy()[lo:hi]  # tp: its heads' share
             np.testing.assert_allclose(got[name][:hi - lo], expect, rtol=0, atol=STATE_ATOL, err_msg=f"rank {r} {name}")
 
     routing = decode_routing(eager, want) if plan.dispatch == "all_to_all" else None
@@ -607,7 +622,7 @@ def test_the_manifest_names_each_ranks_share(sharded):
 
 def test_export_refuses_a_mesh_the_model_cannot_be_split_over(tmp_path):
     for mesh, words in (("ep=9", "8 experts cannot be split over ep=9"), ("pp=8", "7 layers cannot be split"),
-                        ("ep=2,tp=2", "expected degrees")):
+                        ("ep=2,xp=2", "expected degrees"), ("tp=3", "tp=3 does not divide k3-tiny's 2 KDA heads")):
         res = cli("export", "k3-tiny", "--mesh", mesh, "-o", str(tmp_path / "out"), "--quiet")
         assert res.returncode == 1 and res.stderr.count("Error:") == 1 and words in res.stderr, res.stderr
         assert not (tmp_path / "out").exists()
@@ -649,13 +664,15 @@ def _engine_tokens(backend, prompts, new, cache=None, max_batch=2) -> list[list[
 
 
 @pytest.mark.parametrize("model,mesh,dispatch", [("k3-tiny", "ep=3", A2A), ("k3-tiny", "ep=2,dp=2", "all-reduce"),
-                                                 ("kimi-linear", "ep=2,pp=2", "all-reduce")])
+                                                 ("kimi-linear", "ep=2,pp=2", "all-reduce"),
+                                                 ("k3-tiny", "tp=2,pp=2", "all-reduce")])
 def test_the_serving_engine_runs_a_sharded_artifact(model, mesh, dispatch, sharded, references):
     """The ranks as one backend: the state after a prefill of the padded batch, fetched from the ranks, equals the
     single-process build's (STATE_ATOL: the expert slices' sums in another order), and sent back it gives the logits
     the ranks' own copy gives (the same computation, bit for bit); through the engine (a batch of 2 for 3 prompts
     twice, the second time from the prefix cache) every request gets eager's greedy tokens. Uneven all-to-all slices
-    and data-parallel replicas need a padded batch (one row per token source) when one request runs alone."""
+    and data-parallel replicas need a padded batch (one row per token source) when one request runs alone. With tp
+    the state crosses as each rank's heads: the controller joins them when it fetches and cuts them when it sends."""
     from k3compile.backends.sharded import RankState, ShardedBackend
     from k3compile.prefix_cache import PrefixCache
 
@@ -795,7 +812,7 @@ def _verify_json(folder, *args) -> tuple[int, dict | None, str]:
     return res.returncode, json.loads(res.stdout) if res.stdout.strip() else None, res.stderr
 
 
-@pytest.mark.parametrize("mesh,dispatch", [("ep=2,pp=2", "all-reduce"), ("ep=3", A2A)])
+@pytest.mark.parametrize("mesh,dispatch", [("ep=2,pp=2", "all-reduce"), ("ep=3", A2A), ("tp=2,ep=2", "all-reduce")])
 def test_verify_compares_a_sharded_artifact_with_eager_and_fails_past_tolerance(sharded, mesh, dispatch):
     """`verify OUT` on export --mesh's folder: its ranks against eager, every position's logits and every layer's
     state at each step (fetched from the ranks), then the same run with a tolerance below its own worst row fails."""

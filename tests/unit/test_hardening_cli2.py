@@ -56,7 +56,8 @@ PLAN_ARG = st.one_of(
     st.tuples(st.just("--device-memory"), st.sampled_from(["64", "1e-9", "0.5", "nan", "inf", "-3", "1e30"])),
     st.tuples(st.just("--context"), st.sampled_from(["1", "4096", "0", str(2**31 - 1), str(2**31)])),
     st.tuples(st.just("--batch"), st.sampled_from(["1", "3", "8", "0", str(2**31 - 1)])),
-    st.tuples(st.just("--mesh"), st.sampled_from(["ep=2", "pp=2", "ep=2,pp=2", "ep=２", "dp=2", "ep=0", "ep=,"])),
+    st.tuples(st.just("--mesh"), st.sampled_from(["ep=2", "pp=2", "ep=2,pp=2", "ep=２", "dp=2", "ep=0", "ep=,",
+                                                        "tp=2", "tp=2,ep=2", "tp=3", "tp=2,pp=2"])),
     st.tuples(st.just("--dtype"), st.sampled_from(["bf16", "fp32", "fp8"])),
 )
 
@@ -70,7 +71,7 @@ def test_any_plan_arguments(args):
     r = run("plan", "k3-tiny", *flat, "--json")
     if ok_or_one_line_error(r):
         doc = json.loads(r.output)
-        assert doc["meshes"] and all(m["ep"] * m["pp"] * m["dp"] == doc["devices"] for m in doc["meshes"])
+        assert doc["meshes"] and all(m["tp"] * m["ep"] * m["pp"] * m["dp"] == doc["devices"] for m in doc["meshes"])
 
 
 # ---- plan: priced per class of alike ranks ---------------------------------------------------------------------
@@ -79,7 +80,7 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
     """evaluate() as a walk over every rank (minutes for k3 on 1024 devices; instant for these meshes): the
     reference the class reduction must equal exactly."""
     plan, w = make_plan(cfg, mesh), DTYPE_BYTES[dtype]
-    worst, total = None, dict.fromkeys(("all_reduce", "all_to_all", "send", "broadcast"), 0)
+    worst, total = None, dict.fromkeys(cost.COLLECTIVES, 0)
     holds, stages, dev = [], {}, cost.DEFAULT_DEVICE
     for p in plan.ranks():
         b = plan.rank_rows(batch, p.rank)[2]
@@ -89,20 +90,20 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
             worst = (p.rank, mem, sum(mem.values()))
         if mem["mla_cache"]:  # the context that fills this rank: everything else is fixed, the cache per token
             holds.append(max(0, (memory - sum(mem.values()) + mem["mla_cache"]) * context // mem["mla_cache"]))
-        moved = cost.step_bytes(cfg, plan, p.rank, batch, w)
-        for k, v in moved.items():
-            total[k] += v
+        moved = cost.step_bytes(cfg, plan, p.rank, batch, w, tp_key=True)
+        for k in total:
+            total[k] += moved[k]
         seconds = (cost.rank_read_bytes(cfg, sizes, p, b, context, w) / dev.bandwidth
-                   + cost.link_seconds(moved, mesh.ep, dev))
+                   + cost.link_seconds(moved, mesh, dev))
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     step = max(sum(stages[(d, s)] for s in range(mesh.pp)) for d in range(mesh.dp))
     latent = full = 0
-    if mesh.ep > 1:
+    if mesh.ep > 1 and mesh.tp == 1:
         other = make_plan(cfg, mesh, "all_to_all")
         for p in other.ranks():
             latent += cost.step_bytes(cfg, other, p.rank, batch, w)["all_to_all"]
             full += cost.step_bytes(cfg, other, p.rank, batch, w, cfg.hidden_size)["all_to_all"]
-    return {"mesh": str(mesh), "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
+    return {"mesh": str(mesh), "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
             "fullest_rank": worst[0], "device_bytes": worst[1], "device_total": worst[2], "fits": worst[2] <= memory,
             "max_context": min([*holds, cfg.max_position_embeddings]),
             "bytes_per_token": {k: v / batch for k, v in total.items()},
@@ -116,9 +117,9 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
 @settings(max_examples=examples(60), deadline=None)
 @given(name=st.sampled_from(["k3-tiny", "k3-small", "k3"]), ep=st.integers(1, 12), pp=st.integers(1, 9),
        dp=st.integers(1, 6), extra=st.integers(0, 13), dtype=st.sampled_from(["bf16", "fp32"]),
-       memory=st.sampled_from([2**20, 64 * GIB, 2**60]))
-def test_classes_of_ranks_price_like_every_rank(name, ep, pp, dp, extra, dtype, memory):
-    cfg, mesh = preset(name), Mesh(ep, pp, dp)
+       memory=st.sampled_from([2**20, 64 * GIB, 2**60]), tp=st.sampled_from([1, 1, 2, 4]))
+def test_classes_of_ranks_price_like_every_rank(name, ep, pp, dp, extra, dtype, memory, tp):
+    cfg, mesh = preset(name), Mesh(ep, pp, dp, tp)
     try:
         make_plan(cfg, mesh)
     except PlanError:
@@ -143,7 +144,7 @@ def test_plan_of_thousands_of_devices_takes_seconds():
     r = run("plan", "k3", "--devices", "4096", "--batch", "64", "--json")
     assert r.exit_code == 0, r.output
     assert time.perf_counter() - t < 60  # a walk over every rank took over 100 s for 1024 devices
-    assert {m["ep"] * m["pp"] * m["dp"] for m in json.loads(r.output)["meshes"]} == {4096}
+    assert {m["tp"] * m["ep"] * m["pp"] * m["dp"] for m in json.loads(r.output)["meshes"]} == {4096}
 
 
 @given(n=st.integers(0, 10**6), parts=st.integers(1, 200))

@@ -20,19 +20,23 @@ CFG = load_config("k3-tiny")
 
 
 @settings(max_examples=200, deadline=None)
-@given(ep=st.integers(1, 4), pp=st.integers(1, 3), dp=st.integers(1, 3), a2a=st.booleans(), extra=st.integers(0, 9))
-def test_every_row_of_every_layer_once(ep, pp, dp, a2a, extra):
+@given(ep=st.integers(1, 4), pp=st.integers(1, 3), dp=st.integers(1, 3), a2a=st.booleans(), extra=st.integers(0, 9),
+       tp=st.sampled_from([1, 1, 2]))
+def test_every_row_of_every_layer_once(ep, pp, dp, a2a, extra, tp):
+    """(With tp > 1: every row of every layer once from each tensor-parallel index, its heads' share.)"""
     try:
-        plan = make_plan(CFG, Mesh(ep=ep, pp=pp, dp=dp), "all_to_all" if a2a else "all_reduce")
+        plan = make_plan(CFG, Mesh(ep=ep, pp=pp, dp=dp, tp=tp), "all_to_all" if a2a else "all_reduce")
     except PlanError:
         return  # a mesh the model cannot be split over: refused before any rank starts (tested in test_sharding)
     min_rows = plan.mesh.dp * len(plan.token_sources(0))  # ShardedBackend.min_rows
     batch = min_rows + extra
     for layer in range(CFG.num_hidden_layers):
-        rows = sorted(r for rank in range(plan.mesh.size) if holds_rows(plan, rank)
-                      and plan.rank(rank).layers[0] <= layer < plan.rank(rank).layers[1]
-                      for r in range(*plan.rank_rows(batch, rank)[:2]))
-        assert rows == list(range(batch)), (plan.mesh, plan.dispatch, layer)
+        for t in range(plan.mesh.tp):
+            rows = sorted(r for rank in range(plan.mesh.size) if holds_rows(plan, rank)
+                          and plan.rank(rank).tensor == t
+                          and plan.rank(rank).layers[0] <= layer < plan.rank(rank).layers[1]
+                          for r in range(*plan.rank_rows(batch, rank)[:2]))
+            assert rows == list(range(batch)), (plan.mesh, plan.dispatch, layer, t)
     logits = sorted(r for d in range(plan.mesh.dp) for rank in plan.token_sources(d)
                     for r in range(*plan.rank_rows(batch, rank)[:2]))
     assert logits == list(range(batch))
