@@ -76,6 +76,19 @@ def _gloo_interface(name: str):
             os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
+def _fresh_world() -> None:
+    """Name this process's next world as a fresh worker names its: torch names a process's groups by a count of the
+    groups it has made, which destroying the world resets but a world that failed to start leaves raised, so every
+    later world of this process would wait for keys its new ranks never write (a server restarted in one process
+    could then never start again). Only when no world exists."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    if not dist.is_initialized() and getattr(world, "group_count", 0):
+        world.group_count = 0
+
+
 class RankState:
     """A decode state the ranks hold in `slot`, for `rows` rows after `length` tokens."""
 
@@ -133,6 +146,7 @@ class ShardedBackend:
                                 interface_of(self._hosted.rendezvous),
                                 device_env_of(doc["target"], devices, mesh.size))
             delta = datetime.timedelta(seconds=timeout)
+            _fresh_world()
             with _gloo_interface(interface_of(self._hosted.rendezvous)):  # as the ranks': loopback, nothing beyond
                 self._joined(lambda: dist.init_process_group("gloo", store=self._hosted.store, rank=self.ctl,
                                                              world_size=mesh.size + 1, timeout=delta))

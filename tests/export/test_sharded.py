@@ -852,6 +852,27 @@ def test_assert_matches_eager_runs_a_sharded_artifact_and_ends_its_ranks(sharded
         assert any(r["output"] == "logits" for r in rows)
 
 
+def test_a_backend_starts_after_a_world_that_failed_to_start(sharded, references):
+    """A world that failed to start in this process (here: nobody joins its store) must not keep the next one from
+    starting: torch counts a process's groups, and the failed one left its count raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from k3compile.backends.sharded import ShardedBackend
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+    with pytest.raises(Exception, match="timeout"):
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=1))
+    assert not dist.is_initialized()
+    eager, _ = references["k3-tiny"]
+    backend = ShardedBackend(sharded[("k3-tiny", "ep=2", "all-reduce")], threads=1)
+    try:
+        assert generate(backend, PROMPTS, 4).tokens == generate(eager, PROMPTS, 4).tokens
+    finally:
+        backend.close()
+
+
 def test_a_sharded_decode_step_sends_only_the_new_mask_columns(sharded, references, monkeypatch):
     """The ranks keep each state's attention mask: a decode step broadcasts the ids and the mask's new column, not
     the whole context's mask; a state that comes back from the host (PUT) gets the whole mask again, and both give
