@@ -1,6 +1,9 @@
-"""Model builders shared by the tests: the tiny K3 preset, and tiny Kimi-Linear models made by transformers."""
+"""Model builders shared by the tests: the tiny K3 preset, and tiny Kimi-Linear models made by transformers; ranks
+run side by side in threads."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -34,3 +37,30 @@ def build_hf(tmp_path, q_lora_rank, heads, kda_heads, head_dim, seed=0, vocab=97
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_local_experts) * 0.05)
     model.save_pretrained(tmp_path)
     return model
+
+
+def in_threads(collective, fn, n: int) -> None:
+    """fn(r) for r in range(n), each in its own thread, with `collective` installed as ops/collectives.py's hook (the
+    ranks' collectives meet there: it keeps each thread's rank in thread-local state of its own); a thread's
+    exception is raised here."""
+    from k3compile.ops.collectives import set_collective
+
+    errors: list[BaseException] = []
+
+    def run(r):
+        try:
+            fn(r)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(e)
+
+    set_collective(collective)
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        set_collective(None)
+    if errors:
+        raise errors[0]

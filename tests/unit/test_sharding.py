@@ -91,8 +91,9 @@ def test_all_to_all_exchange_equals_the_whole_moe():
     together are the whole layer's."""
     import threading
 
+    from builders import in_threads
+
     from k3compile.checkpoint import assemble
-    from k3compile.ops.collectives import set_collective
     from k3compile.partition import RankSource, rank_model
 
     src = RankSource("k3-tiny", 0, "auto")
@@ -118,15 +119,7 @@ def test_all_to_all_exchange_equals_the_whole_moe():
         rows = slice(3 * r, 3 * r + 3)
         got[r] = moes[r].routed_partial(x[rows], idx[rows], w[rows])
 
-    set_collective(exchange)
-    try:
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        set_collective(None)
+    in_threads(exchange, rank, 2)
     torch.testing.assert_close(torch.cat([got[0], got[1]]), want, rtol=0, atol=1e-6)  # fp32: slot sums reordered
 
 

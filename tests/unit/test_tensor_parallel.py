@@ -10,12 +10,11 @@ import threading
 
 import pytest
 import torch
-from builders import build_hf
+from builders import build_hf, in_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3compile.generate import left_pad
-from k3compile.ops.collectives import set_collective
 from k3compile.partition import RankSource, rank_model
 from k3compile.presets import preset
 from k3compile.sharding import Mesh, PlanError, make_plan
@@ -64,22 +63,11 @@ def threaded(cfg, source: RankSource, plan, fn) -> dict:
         try:
             with torch.no_grad():
                 out[r] = fn(rank_model(cfg, source.state(cfg, p, plan), p, mesh.group > 1, plan), whole)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
-            out[r] = e
-            barrier.abort()
+        except BaseException:
+            barrier.abort()  # the other threads stop waiting for this one
+            raise
 
-    set_collective(collective)
-    try:
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(mesh.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        set_collective(None)
-    for v in out.values():
-        if isinstance(v, BaseException):
-            raise v
+    in_threads(collective, run, mesh.size)
     schedule = {r: [(c["tag"], c["part"]) for s in plan.schedule(r, cfg) if s["op"] == "run"
                     for c in s["collectives"]] for r in range(mesh.size)}
     steps = {r: len(calls[r]) // max(1, len(schedule[r])) for r in calls}
