@@ -103,11 +103,13 @@ class RankState:
 
 class ShardedBackend:
     def __init__(self, folder: str | Path, threads: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 devices: tuple[int, ...] = (), progress: Callable[[str], None] | None = None) -> None:
+                 devices: tuple[int, ...] = (), progress: Callable[[str], None] | None = None,
+                 wire: str = "fp32") -> None:
+        """`wire`: the all-to-all dispatch's vectors on the wire (as `run --wire-dtype`)."""
         import torch.distributed as dist
 
         from k3compile.manifest import read_sharded
-        from k3compile.runtime.launch import default_threads, device_env_of, spawn
+        from k3compile.runtime.launch import check_wire, default_threads, device_env_of, spawn
         from k3compile.runtime.rendezvous import Rendezvous, host_store, interface_of
         from k3compile.threads import capped
 
@@ -118,6 +120,7 @@ class ShardedBackend:
                                "process")
         step("checking the artifact")
         doc, self.config, self.plan = read_sharded(folder)
+        check_wire(self.plan, wire, folder)
         mesh = self.plan.mesh
         self._state_cfg = rank_config(self.config, mesh.tp)  # a rank's heads: its state's shapes
         self.ctl = mesh.size  # this process's rank: the world's last
@@ -139,7 +142,7 @@ class ShardedBackend:
             rdzv = Rendezvous()
             self._hosted = host_store(rdzv, mesh.size + 1, timeout)
             write_options(self._run_dir, folder.resolve(),
-                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True),
+                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True, wire=wire),
                           self._hosted.rendezvous)
             step(f"starting {mesh.size} ranks")
             self._procs = spawn(self._run_dir, range(mesh.size), mesh.size + 1, threads,

@@ -160,3 +160,10 @@ def print_sharded(manifest, out, mesh, dispatch, as_json, quiet) -> None:
     elif not quiet:
         click.echo(f"wrote {out}: {len(manifest['ranks'])} ranks ({mesh}, {dispatch}), {manifest['builds']} distinct "
                    f"libraries, built in {manifest['build_s']:.1f} s; run it with `k3compile run {out}`")
+
+
+# `run`, and `serve` / `generate` of a sharded OUT: the all-to-all dispatch's vectors on the wire (runtime/worker.py)
+WIRE_OPTION = click.option(
+    "--wire-dtype", "wire", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+    help="A sharded OUT with the all-to-all dispatch: its latent vectors on the wire, fp32 (exact, as the graph "
+         "computes them) or bf16 (half the bytes, each vector rounded; the expert ids and weights stay exact).")

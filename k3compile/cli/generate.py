@@ -10,6 +10,7 @@ from k3compile.backends.choose import KINDS, open_backend
 from k3compile.cli.common import (
     SEED,
     THREADS_HELP,
+    WIRE_OPTION,
     FiniteFloat,
     IntRange,
     dumps,
@@ -57,11 +58,12 @@ from k3compile.presets import DEFAULT_PRESET
               help="Prefill each prompt as its own row through a prefix-state cache that keeps the state every this "
                    "many tokens: prompts of the batch that share a prefix run it once.")
 @click.option("--threads", type=IntRange(min=1), default=None, help=THREADS_HELP)
+@WIRE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 @click.pass_context
 def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens, backend, device, temperature, top_p,
-            seed, weight_seed, experts, prefill_chunk, cache_block, threads, as_json, quiet):
+            seed, weight_seed, experts, prefill_chunk, cache_block, threads, wire, as_json, quiet):
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights): from token ids, or from
     text (--prompt, --chat, --messages) through SOURCE's tokenizer."""
     from k3compile.generate import generate as run
@@ -94,7 +96,7 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
         use_threads(threads or default_threads(load_config(source)))  # before TVM's pool or a compile starts
         with status(f"loading {source}", quiet) as step:
             engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
-                                  progress=step)
+                                  progress=step, wire=wire)
         try:
             cache = None
             if cache_block is not None:

@@ -7,7 +7,16 @@ import sys
 
 import click
 
-from k3compile.cli.common import SEED, FiniteFloat, IntRange, dumps, parse_ids, table_console, user_errors
+from k3compile.cli.common import (
+    SEED,
+    WIRE_OPTION,
+    FiniteFloat,
+    IntRange,
+    dumps,
+    parse_ids,
+    table_console,
+    user_errors,
+)
 
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
 
@@ -38,9 +47,7 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
 @click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=IntRange(1, 4096),
               help="Run each step's rows as this many micro-batches so that pipeline stages overlap (pp > 1, llvm "
                    "ranks; at most the rows a replica decodes).")
-@click.option("--wire-dtype", "wire", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="The all-to-all dispatch's latent vectors on the wire: fp32 (exact, as the graph computes them) "
-                   "or bf16 (half the bytes, each vector rounded; the expert ids and weights stay exact).")
+@WIRE_OPTION
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

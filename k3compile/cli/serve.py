@@ -10,7 +10,7 @@ import click
 
 from k3compile.artifact import Terminated
 from k3compile.backends.choose import KINDS, open_backend
-from k3compile.cli.common import SEED, THREADS_HELP, FiniteFloat, IntRange, status, user_errors
+from k3compile.cli.common import SEED, THREADS_HELP, WIRE_OPTION, FiniteFloat, IntRange, status, user_errors
 from k3compile.cli.run import MAX_TIMEOUT
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
@@ -52,9 +52,10 @@ LOCAL = "127.0.0.1"
 @click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
               help="A sharded OUT: seconds a collective waits for a rank (as `run --timeout`); a step, a long "
                    "prompt's chunk included, must finish within it.")
+@WIRE_OPTION
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
-            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, quiet):
+            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
     (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
     from k3compile.presets import load_config
@@ -65,7 +66,7 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
             engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
-                                          device=device, progress=step, timeout=timeout)
+                                          device=device, progress=step, timeout=timeout, wire=wire)
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
                    cache_block, prefix_cache_bytes, quiet)

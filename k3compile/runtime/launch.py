@@ -51,6 +51,13 @@ def default_threads(world: int) -> int:
     return max(1, available_cores() // world)
 
 
+def check_wire(plan, wire: str, folder) -> None:
+    """`--wire-dtype` other than fp32 takes the all-to-all dispatch's vectors only: refused on an all-reduce build."""
+    if wire != "fp32" and plan.dispatch != "all_to_all":
+        raise RuntimeFault(f"--wire-dtype {wire}: only the all-to-all dispatch's vectors take it; {folder} joins its "
+                           f"experts by {plan.dispatch.replace('_', '-')}")
+
+
 def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = None) -> dict | None:
     """Decode with every rank of OUT's mesh; this machine runs its node's share (all of them on one machine).
     Returns summarize()'s document on node 0, None on the other nodes."""
@@ -69,9 +76,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
-    if options.wire != "fp32" and plan.dispatch != "all_to_all":
-        raise RuntimeFault(f"--wire-dtype {options.wire}: only the all-to-all dispatch's vectors take it; {folder} "
-                           f"joins its experts by {plan.dispatch.replace('_', '-')}")
+    check_wire(plan, options.wire, folder)
     if options.micro_batches > 1:
         rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica
         if plan.mesh.pp == 1 or doc.get("target") not in (None, "llvm"):

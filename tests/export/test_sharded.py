@@ -793,13 +793,19 @@ def test_serve_refuses_a_backend_for_a_sharded_artifact(sharded):
 
 def test_generate_runs_a_sharded_artifact_on_text(sharded):
     """`generate OUT --prompt TEXT` on a sharded OUT (its ranks started and ended by the command, the tokenizer the
-    export carried): eager's tokens and text, through the prefix cache too; no run folder left behind."""
+    export carried): eager's tokens and text, through the prefix cache too and with the all-to-all's vectors as bf16
+    on the wire (k3-tiny's greedy tokens survive their rounding, as with `run --wire-dtype bf16`); no run folder left
+    behind. `--wire-dtype bf16` elsewhere (an all-reduce build, a preset) is one line."""
     folder = str(sharded[("k3-tiny", "ep=3", A2A)])
     args = ["--prompt", "hello world", "--prompt", "hi", "--max-new-tokens", "8", "--json", "--quiet"]
     want = cli("generate", "k3-tiny", "--backend", "eager", *args, timeout=300)
     assert want.returncode == 0, want.stderr
     before = set(Path(tempfile.gettempdir()).glob("k3compile-serve-*"))
-    for extra in ([], ["--cache-block", "2"]):
+    for source, why in ((str(sharded[("k3-tiny", "ep=2", "all-reduce")]), "joins its experts by all-reduce"),
+                        ("k3-tiny", "applies to a sharded OUT's all-to-all")):
+        res = cli("generate", source, *args, "--wire-dtype", "bf16", timeout=300)
+        assert res.returncode == 1 and res.stderr.count("Error:") == 1 and why in res.stderr, res.stderr[-2000:]
+    for extra in ([], ["--cache-block", "2"], ["--wire-dtype", "bf16"]):
         got = cli("generate", folder, *args, *extra, timeout=300)
         assert got.returncode == 0, got.stderr[-2000:]
         assert {k: json.loads(got.stdout)[k] for k in ("tokens", "texts")} == \
