@@ -4,8 +4,9 @@ A `Mesh` has four degrees: data parallel (dp: replicas, each decoding its own ro
 (pp: stages, each a contiguous range of layers), expert parallel (ep) and tensor parallel (tp). A stage has
 G = ep · tp ranks (its `group`); each holds a contiguous slice of every MoE layer's routed experts (expert
 parallelism spans the tp × ep ranks of a stage, as serving systems do). With tp > 1 the ranks of a tensor-parallel
-group (tp consecutive shards) also split the attention by heads and the dense MLP and shared experts by their
-intermediate width (sharding/tensor.py), each block's output summed over the group. Rank r = (d · pp + s) · G + g,
+group (tp consecutive shards) also split the attention by heads, the dense MLP and shared experts by their
+intermediate width and the embedding and head by vocabulary (sharding/tensor.py), each block's output summed over
+the group and the logits gathered at the token source. Rank r = (d · pp + s) · G + g,
 the shard g = e · tp + t.
 
 `make_plan(cfg, mesh, dispatch)` places every layer and expert: stage cuts balanced by layer count and moved onto
@@ -100,7 +101,7 @@ class RankPlan:
     experts: tuple[int, int]  # the routed-expert slice of every MoE layer of the stage
     first: bool  # holds the embedding (stage 0)
     last: bool  # holds the final norm and the head (the last stage)
-    tensor: int = 0  # t = g % tp: its part of the heads and intermediate widths (sharding/tensor.py)
+    tensor: int = 0  # t = g % tp: its part of the heads, intermediate widths and vocabulary (sharding/tensor.py)
     tp: int = 1
 
 

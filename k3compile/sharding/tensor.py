@@ -12,7 +12,7 @@ Rank t of tp holds the t-th of tp equal contiguous pieces of each split tensor:
 - The dense MLP and the shared experts (by intermediate width): gate/up by rows, down by columns.
 - The embedding and the LM head (by vocabulary): rows. A rank looks up the ids in its rows (zero for the others),
   summed over the group (`k3.AllReduce`, AR_EMBED); its head gives its vocabulary's logits, which the runtime
-  gathers at the token source (runtime/worker.py, Rank.logits) to pick the next token.
+  gathers at the token source (runtime/worker.py, Rank.whole_logits) to pick the next token.
 
 Everything else (norms, router, the MoE's latent down/up projections, AttnRes) is whole on every rank; the routed
 experts are split over the stage's ep · tp ranks like expert parallelism. A split block's output (o_proj, down_proj)
