@@ -12,11 +12,13 @@ For each routed slot j (in order), three parallel loops over tokens x column til
     h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
     y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
 so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
-(the sparse path). From GROUPED_MIN_TOKENS tokens on (prefill, large batches) the kernel instead builds the
-per-expert lists of routed (token, slot) pairs in the kernel (a counting sort of idx: offsets, then the pairs in
-order) and runs, in parallel over experts x column tiles, each 32-row weight tile decoded once into a local buffer
-and applied to every pair of the expert; the slot outputs are then summed per token in slot order. Pairs routed
-outside the slice are in no list and weigh zero.
+(the sparse path). When there are at least as many routed (token, slot) pairs as experts in the slice (`grouped`:
+prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of routed pairs in
+the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over experts x column
+tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from the table where
+there is one, as decode's GEMVs) and applied to every pair of the expert, each pair's block sum times the block's
+scale; the slot outputs are then summed per token in slot order. Pairs routed outside the slice are in no list and
+weigh zero; an expert without pairs is not decoded.
 
 MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
@@ -34,7 +36,13 @@ zero-pads float experts of other widths, z and y around the call (passes/lower_k
 
 from __future__ import annotations
 
-GROUPED_MIN_TOKENS = 16  # from this many tokens on, the pairs are grouped by expert (each tile decoded once)
+
+def grouped(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
+    there are at least as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts, top-4,
+    512 x 512, this 2-core CPU, docs/toolchain.md "CPU schedules"): per-pair GEMVs are 1.4x faster at 1 token, the
+    two break even at 8 (32 pairs), grouping is 1.2-1.6x at 16 and 2x at 32 tokens."""
+    return tokens * top_k >= experts
 
 
 def column_tile(n: int) -> int:
@@ -59,6 +67,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     na, nb, nd = 2 * inter // ta, inter // tb, width // td
     la, ld = (fp4_table_lanes(target, t) if mx else 0 for t in (ta, td))  # lookup lanes of the two GEMVs (0: none)
     table_a, table_d = la > 0, ld > 0  # (the script's static conditions must be Python booleans)
+    half_a, half_d = (0.5 if table else 1.0 for table in (table_a, table_d))  # a table holds twice the E2M1 values
 
     wtype = "uint8" if mx else "float32"
 
@@ -108,13 +117,13 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
             for zb in T.parallel(N * dblk):
                 quant(Z, Zq, zb // dblk, zb % dblk * 32)
         Zs = T.meta_var(Zq if quantize else Z)
-        if N < GROUPED_MIN_TOKENS:  # decode: each routed (token, slot) pair's two GEMVs on its expert
+        Tab = T.alloc_buffer((64,), "int8")  # the E2M1 lookup table (fp4_twice), for the loops that use it
+        if table_a or table_d:
+            for i in range(64):
+                Tab[i] = fp4_twice(i)
+        if N * K < experts:  # fewer pairs than experts (`grouped`): each routed pair's two GEMVs on its expert
             H = T.alloc_buffer((N * K, 2 * inter), "float32")
             Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output
-            Tab = T.alloc_buffer((64,), "int8")  # the E2M1 lookup table (fp4_twice), for the GEMVs that use it
-            if table_a or table_d:
-                for i in range(64):
-                    Tab[i] = fp4_twice(i)
             for f in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV)
                 if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
                     for t in range(na):  # h = W13[e] · z, tile of ta columns
@@ -188,7 +197,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                             Y[nt // nd, nt % nd * td + v] = Y[nt // nd, nt % nd * td + v] + Po[
                                 nt // nd * K + j, nt % nd * td + v]
 
-        else:  # prefill: the routed (token, slot) pairs grouped by expert, each weight tile decoded once
+        else:  # the routed (token, slot) pairs grouped by expert, each weight block decoded once
             cnt = T.alloc_buffer((experts + 1,), "int64")
             pos = T.alloc_buffer((experts,), "int64")
             order = T.alloc_buffer((N * K,), "int64")
@@ -207,26 +216,32 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     order[pos[Idx[f // K, f % K] - offset]] = f
                     pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
             for et in T.parallel(experts * na):  # g = W13[e] · z for every pair routed to e, tile of ta columns
-                tile = T.alloc_buffer((32, ta), "float32", scope="local")
-                acc = T.alloc_buffer((ta,), "float32", scope="local")
-                for r in range(cnt[et // na], cnt[et // na + 1]):
-                    for v in T.vectorized(ta):
-                        G[order[r], et % na * ta + v] = T.float32(0)
-                for b in range(dblk):
-                    for p in range(16):
-                        for v in T.vectorized(ta):
-                            tile[2 * p, v] = elem(W13, et // na, b, p, et % na * ta + v, 0) * scale(
-                                S13, et // na, b, et % na * ta + v)
-                            tile[2 * p + 1, v] = elem(W13, et // na, b, p, et % na * ta + v, 1) * scale(
-                                S13, et // na, b, et % na * ta + v)
+                if cnt[et // na + 1] > cnt[et // na]:  # an expert no pair is routed to: nothing decoded
+                    tile = T.alloc_buffer((32, ta), "float32", scope="local")
+                    acc = T.alloc_buffer((ta,), "float32", scope="local")
                     for r in range(cnt[et // na], cnt[et // na + 1]):
                         for v in T.vectorized(ta):
-                            acc[v] = T.float32(0)
-                        for c in range(32):
+                            G[order[r], et % na * ta + v] = T.float32(0)
+                    for b in range(dblk):  # the block's rows decoded once; each pair's block sum times its scale
+                        for p in range(16):
+                            if table_a:  # twice the values, from the table (the scale is halved below)
+                                tile[2 * p, T.Ramp(0, 1, la)] = looked(W13, Tab, et // na, b * 16 + p, et % na * ta,
+                                                                       la, 0)
+                                tile[2 * p + 1, T.Ramp(0, 1, la)] = looked(W13, Tab, et // na, b * 16 + p,
+                                                                           et % na * ta, la, 1)
+                            else:
+                                for v in T.vectorized(ta):
+                                    tile[2 * p, v] = elem(W13, et // na, b, p, et % na * ta + v, 0)
+                                    tile[2 * p + 1, v] = elem(W13, et // na, b, p, et % na * ta + v, 1)
+                        for r in range(cnt[et // na], cnt[et // na + 1]):
                             for v in T.vectorized(ta):
-                                acc[v] = acc[v] + Zs[order[r] // K, b * 32 + c] * tile[c, v]
-                        for v in T.vectorized(ta):
-                            G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v]
+                                acc[v] = T.float32(0)
+                            for c in range(32):
+                                for v in T.vectorized(ta):
+                                    acc[v] = acc[v] + Zs[order[r] // K, b * 32 + c] * tile[c, v]
+                            for v in T.vectorized(ta):
+                                G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v] * (
+                                    scale(S13, et // na, b, et % na * ta + v) * T.float32(half_a))
             for rt in T.parallel(N * K * nb):  # the activation, in place (rows of pairs outside the slice unused)
                 for v in T.vectorized(tb):
                     G[rt // nb, rt % nb * tb + v] = act(G[rt // nb, rt % nb * tb + v],
@@ -235,26 +250,32 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                 for rb in T.parallel(N * K * iblk):
                     quant(G, G, rb // iblk, rb % iblk * 32)
             for et in T.parallel(experts * nd):  # o = w · W2[e] · act for every pair routed to e
-                tile = T.alloc_buffer((32, td), "float32", scope="local")
-                acc = T.alloc_buffer((td,), "float32", scope="local")
-                for r in range(cnt[et // nd], cnt[et // nd + 1]):
-                    for v in T.vectorized(td):
-                        Out[order[r], et % nd * td + v] = T.float32(0)
-                for b in range(iblk):
-                    for p in range(16):
-                        for v in T.vectorized(td):
-                            tile[2 * p, v] = elem(W2, et // nd, b, p, et % nd * td + v, 0) * scale(
-                                S2, et // nd, b, et % nd * td + v)
-                            tile[2 * p + 1, v] = elem(W2, et // nd, b, p, et % nd * td + v, 1) * scale(
-                                S2, et // nd, b, et % nd * td + v)
+                if cnt[et // nd + 1] > cnt[et // nd]:  # an expert no pair is routed to: nothing decoded
+                    tile = T.alloc_buffer((32, td), "float32", scope="local")
+                    acc = T.alloc_buffer((td,), "float32", scope="local")
                     for r in range(cnt[et // nd], cnt[et // nd + 1]):
                         for v in T.vectorized(td):
-                            acc[v] = T.float32(0)
-                        for c in range(32):
+                            Out[order[r], et % nd * td + v] = T.float32(0)
+                    for b in range(iblk):  # the block's rows decoded once; each pair's block sum times its scale
+                        for p in range(16):
+                            if table_d:  # twice the values, from the table (the scale is halved below)
+                                tile[2 * p, T.Ramp(0, 1, ld)] = looked(W2, Tab, et // nd, b * 16 + p, et % nd * td,
+                                                                       ld, 0)
+                                tile[2 * p + 1, T.Ramp(0, 1, ld)] = looked(W2, Tab, et // nd, b * 16 + p,
+                                                                           et % nd * td, ld, 1)
+                            else:
+                                for v in T.vectorized(td):
+                                    tile[2 * p, v] = elem(W2, et // nd, b, p, et % nd * td + v, 0)
+                                    tile[2 * p + 1, v] = elem(W2, et // nd, b, p, et % nd * td + v, 1)
+                        for r in range(cnt[et // nd], cnt[et // nd + 1]):
                             for v in T.vectorized(td):
-                                acc[v] = acc[v] + G[order[r], b * 32 + c] * tile[c, v]
-                        for v in T.vectorized(td):
-                            Out[order[r], et % nd * td + v] = Out[order[r], et % nd * td + v] + acc[v]
+                                acc[v] = T.float32(0)
+                            for c in range(32):
+                                for v in T.vectorized(td):
+                                    acc[v] = acc[v] + G[order[r], b * 32 + c] * tile[c, v]
+                            for v in T.vectorized(td):
+                                Out[order[r], et % nd * td + v] = Out[order[r], et % nd * td + v] + acc[v] * (
+                                    scale(S2, et // nd, b, et % nd * td + v) * T.float32(half_d))
             for nt in T.parallel(N * nd):  # y = sum over the slots in the slice, in slot order
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)

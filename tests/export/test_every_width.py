@@ -29,14 +29,14 @@ from tvm import relax
 from k3compile.compile import _no_extern_calls, build_proto
 from k3compile.config import ConfigError
 from k3compile.interface import ExportError
-from k3compile.kernels.moe import GROUPED_MIN_TOKENS
+from k3compile.kernels.moe import grouped
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch_eager
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul_eager
 from k3compile.ops.onnx_body import ACT_QUANT_CODES, ACTIVATION_CODES
 from k3compile.quant.mx import quantize_mxfp4
 
 LLVM = resolve("llvm")
-TOKENS = (1, GROUPED_MIN_TOKENS + 3)  # decode (per-token GEMVs) and prefill (pairs grouped by expert)
+TOKENS = (1, 19)  # top-2 over 3 or 4 experts: per-pair GEMVs (2 pairs), pairs grouped by expert (38: `grouped`)
 # fp32 accumulation on both sides (float16 weights are exact in fp32), products summed in another order, and the
 # padding adds exact zeros: observed ~5e-7 at these magnitudes (as tests/unit/test_kernels.py's MoE bound)
 ATOL = 1e-5
@@ -88,6 +88,7 @@ def test_float_experts_of_any_width_lower_to_the_kernel_and_equal_the_op(e, i, d
     w2 = (torch.randn(e, d, i, generator=gen) * 0.2).to(getattr(torch, dtype))
     weights = list(vm["main_transform_params"]([tvm.runtime.tensor(w13.numpy()), tvm.runtime.tensor(w2.numpy())]))
     assert [tuple(t.shape) for t in weights] == [(e, dp, 2 * ip), (e, ip, dp)]  # stored padded, "kn", float32
+    assert [grouped(n, 2, e) for n in TOKENS] == [False, True]  # both of the kernel's paths
     for n in TOKENS:
         z = torch.randn(n, d, generator=gen)
         idx = torch.randint(0, offset + e + 2, (n, 2), generator=gen)  # ids 0 .. offset - 1 and past the slice too

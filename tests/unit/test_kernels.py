@@ -159,9 +159,9 @@ def _run_moe(args, e, i, d, offset, activation, act_quant="none", target=None):
 
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation", [
     (1, 32, 32, 8, 2, 0, "situ"),     # one decoded token
-    (5, 32, 64, 4, 2, 0, "situ"),
-    (3, 64, 32, 3, 3, 2, "silu"),     # a slice [2, 5): tokens routed to 0, 1, 5, 6 weigh zero
-    (17, 32, 32, 4, 2, 1, "situ"),    # from GROUPED_MIN_TOKENS on: pairs grouped by expert (the prefill path)
+    (5, 32, 64, 16, 2, 0, "situ"),    # 10 pairs, 16 experts: per-pair GEMVs
+    (3, 64, 32, 12, 3, 2, "silu"),    # a slice [2, 14): tokens routed to 0, 1, 14, 15 weigh zero
+    (17, 32, 32, 4, 2, 1, "situ"),    # as many pairs as experts or more: grouped by expert (prefill, batches)
     (40, 96, 64, 5, 3, 2, "silu"),    # grouped, a slice [2, 7) with tokens outside it; 96 = three 32-blocks
 ])
 def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
@@ -174,7 +174,7 @@ def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
 
 
 @pytest.mark.parametrize("act_quant", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("n", [3, 20])  # per-token GEMVs; grouped by expert
+@pytest.mark.parametrize("n", [1, 20])  # per-pair GEMVs; grouped by expert
 def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
@@ -188,7 +188,7 @@ def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,act_quant", [(3, "none"), (20, "none"), (5, "e4m3"), (18, "e5m2")])
+@pytest.mark.parametrize("n,act_quant", [(2, "none"), (20, "none"), (1, "e4m3"), (18, "e5m2")])
 def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
@@ -203,12 +203,12 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
 
 
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
-    (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32
-    (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5)
-    (2, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations
+    (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
+    (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
+    (2, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
 def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant):
-    """On a CPU with byte shuffles (kernels/mx.py: PSHUFB), decode's GEMVs look the E2M1 codes up in a register;
+    """On a CPU with byte shuffles (kernels/mx.py: PSHUFB), the GEMVs and the grouped tiles look the E2M1 codes up;
     the output is the arithmetic decode's bit for bit (twice the values, half the scale: powers of two) and the
     op's within fp32 summation order. A NaN scale block still poisons its token."""
     from k3compile.targets import resolve
@@ -234,9 +234,14 @@ def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offs
 
 
 def test_the_cases_above_cover_both_kernel_paths():
-    from k3compile.kernels.moe import GROUPED_MIN_TOKENS
+    from k3compile.kernels.moe import grouped
 
-    assert 5 < GROUPED_MIN_TOKENS <= 17  # n = 1, 3, 5: per-token GEMVs; n = 17, 40: grouped by expert
+    # (n, k, experts): test_moe_kernel_equals_the_op's, the MXFP8 and float-expert tests', the table test's
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (5, 2, 16), (3, 3, 12), (17, 2, 4), (40, 3, 5)]] == [
+        False, False, False, True, True]
+    assert [grouped(n, 2, 4) for n in (1, 20)] == [False, True]
+    assert [grouped(n, 2, 5) for n in (2, 20, 1, 18)] == [False, True, False, True]
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (2, 3, 5)]] == [False, True, True]
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
