@@ -7,8 +7,10 @@ the RoPE part the same way over its own width (`"bthr,bsr->bhts"`): a dot produc
 reduction is the innermost index of both operands, so no output dim is contiguous to vectorize over), which made it
 a third of a 2048-token prefill. `scores_kernel` keeps a register tile of R heads × J cache positions, each a
 16-lane partial sum along c, so every step loads R + J vectors for R · J fused multiply-adds; the lanes are summed
-once at the end. Cache positions past the end (the last tile) read the last row and are not stored. Parallel over
-batch × tokens × head groups × position tiles. k3-small, one layer at T = S = 2048: 2.1 s with TVM's schedule,
+once at the end, all R · J vectors at once when they are 16 (`lane_sums`). Cache positions past the end (the last
+tile) read the last row and are not stored. Parallel over batch × tokens × runs of TILES position tiles (a task's
+indices divided out once, not per tile), every head group of a tile against the same J rows
+(docs/toolchain.md, "CPU schedules"). k3-small, one layer at T = S = 2048: 2.1 s with TVM's schedule,
 0.30 s with this one (the sum order along c differs: partial sums of 16 strided lanes, then the lanes).
 `pv_kernel` is the weighted sum that follows the softmax, `einsum("bhts,bsc->bthc", p, k)`: a register tile of R
 heads × a few vectors of c, one broadcast weight per head and position.
@@ -24,6 +26,7 @@ from __future__ import annotations
 LANES = 16  # fp32 lanes of one partial sum (one AVX-512 register, two AVX2 ones)
 POSITIONS = 4  # cache positions per register tile (J)
 TILE_REGISTERS = 16  # accumulators a register tile may hold
+TILES = 16  # register tiles of positions a task of the scores kernel runs in turn
 
 
 def lanes_of(width: int) -> int:
@@ -36,6 +39,26 @@ def head_tile(heads: int) -> int:
     return next(r for r in (4, 2, 1) if heads % r == 0)
 
 
+def lane_sums(acc, rows: int, cols: int, lanes: int):
+    """One vector whose lane i is the sum of the lanes of acc[i // cols, i % cols, :] (rows · cols = lanes vectors):
+    pairs of vectors halved and interleaved, log2(lanes) levels of two shuffles and an add each, where summing each
+    vector alone takes log2(lanes) folds of it and a scalar store per sum. At level w (w lanes per partial sum) a
+    vector holds lanes / w consecutive partial sums; a pair gives one vector of twice as many sums of w / 2 lanes."""
+    from tvm import tirx
+
+    level = [tirx.BufferLoad(acc, [tirx.const(i // cols, "int32"), tirx.const(i % cols, "int32"),
+                                   tirx.Ramp(tirx.const(0, "int32"), 1, lanes)]) for i in range(rows * cols)]
+    w = lanes
+    while len(level) > 1:
+        half, sums = w // 2, lanes // w
+        lo = [v * lanes + g * w + x for v in (0, 1) for g in range(sums) for x in range(half)]
+        hi = [i + half for i in lo]
+        level = [tirx.Shuffle([a, b], [tirx.const(i, "int32") for i in lo])
+                 + tirx.Shuffle([a, b], [tirx.const(i, "int32") for i in hi]) for a, b in zip(level[0::2], level[1::2])]
+        w = half
+    return level[0]
+
+
 def scores_kernel(heads: int, width: int):
     """out[b, h, t, s] = sum_c q[b, t, h, c] · k[b, s, c] for s < S (the scalar argument), `heads` heads of `width`,
     batch, tokens, S and k's capacity C >= S symbolic."""
@@ -43,6 +66,7 @@ def scores_kernel(heads: int, width: int):
 
     r_tile, j_tile, lanes = head_tile(heads), POSITIONS, lanes_of(width)
     groups, steps = heads // r_tile, width // lanes
+    transposed = r_tile * j_tile == lanes  # the tile's partial sums fill one vector of sums (lane_sums)
 
     @T.prim_func(private=True)
     def scores(q: T.handle, k: T.handle, S: T.int64, o: T.handle):
@@ -52,40 +76,55 @@ def scores_kernel(heads: int, width: int):
         K = T.match_buffer(k, (B, C, width), "float32")
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
         assert S <= C, "attention scores: the cache holds fewer rows than its length"
-        for task in T.parallel(B * Tn * ((S + j_tile - 1) // j_tile)):
+        for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
             acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
-            tiles = T.meta_var((S + j_tile - 1) // j_tile)
-            b = T.meta_var(task // (Tn * tiles))
-            t = T.meta_var(task // tiles % Tn)
-            s0 = T.meta_var(task % tiles * j_tile)
-            for g in range(groups):  # every head group against the same J rows of k (read from memory once)
-                for r in T.unroll(r_tile):
-                    for j in T.unroll(j_tile):
-                        for v in T.vectorized(lanes):
-                            acc[r, j, v] = T.float32(0)
-                for c in range(steps):
-                    for r in T.unroll(r_tile):
-                        for j in T.unroll(j_tile):
-                            for v in T.vectorized(lanes):
-                                acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
-                                    b, T.min(s0 + j, S - 1), c * lanes + v]
-                for r in T.unroll(r_tile):  # each partial-sum vector folded in halves: log2(lanes) vector adds
-                    for j in T.unroll(j_tile):
-                        if lanes >= 16:
-                            for v in T.vectorized(8):
-                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
-                        if lanes >= 8:
-                            for v in T.vectorized(4):
-                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
-                        if lanes >= 4:
-                            for v in T.vectorized(2):
-                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
-                        if lanes >= 2:
-                            acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
-                for r in T.unroll(r_tile):
-                    for j in T.unroll(j_tile):
-                        if s0 + j < S:
-                            Out[b, g * r_tile + r, t, s0 + j] = acc[r, j, 0]
+            sums = T.alloc_buffer((lanes,), "float32", scope="local")
+            chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
+            b = T.meta_var(task // (Tn * chunks))
+            t = T.meta_var(task // chunks % Tn)
+            for tile in range(TILES):  # TILES tiles of J positions a task: its indices divided out once
+                s0 = T.meta_var((task % chunks * TILES + tile) * j_tile)
+                if s0 < S:
+                    for g in range(groups):  # every head group against the same J rows of k (read once)
+                        for r in T.unroll(r_tile):
+                            for j in T.unroll(j_tile):
+                                for v in T.vectorized(lanes):
+                                    acc[r, j, v] = T.float32(0)
+                        for c in range(steps):
+                            for r in T.unroll(r_tile):
+                                for j in T.unroll(j_tile):
+                                    for v in T.vectorized(lanes):
+                                        acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
+                                            b, T.min(s0 + j, S - 1), c * lanes + v]
+                        if transposed:  # the R · J = 16 partial-sum vectors summed lane-wise at once (lane_sums)
+                            sums[T.Ramp(0, 1, lanes)] = lane_sums(acc, r_tile, j_tile, lanes)
+                            if s0 + j_tile <= S:
+                                for r in T.unroll(r_tile):
+                                    Out[b, g * r_tile + r, t, T.Ramp(s0, 1, j_tile)] = sums[
+                                    T.Ramp(r * j_tile, 1, j_tile)]
+                            else:
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        if s0 + j < S:
+                                            Out[b, g * r_tile + r, t, s0 + j] = sums[r * j_tile + j]
+                        else:
+                            for r in T.unroll(r_tile):  # each partial-sum vector folded in halves: log2(lanes) adds
+                                for j in T.unroll(j_tile):
+                                    if lanes >= 16:
+                                        for v in T.vectorized(8):
+                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
+                                    if lanes >= 8:
+                                        for v in T.vectorized(4):
+                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
+                                    if lanes >= 4:
+                                        for v in T.vectorized(2):
+                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
+                                    if lanes >= 2:
+                                        acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
+                            for r in T.unroll(r_tile):
+                                for j in T.unroll(j_tile):
+                                    if s0 + j < S:
+                                        Out[b, g * r_tile + r, t, s0 + j] = acc[r, j, 0]
 
     return scores
 
