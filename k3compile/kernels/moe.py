@@ -96,6 +96,35 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                 tirx.const(linear_beta, "float32") * tanh_f32(up / tirx.const(linear_beta, "float32")))
         return gate * sigmoid_f32(gate) * up
 
+    @T.macro
+    def grouped_gemv(W, S, X, xdiv, Y, e, col0, tw, lanes, table, half, blocks, cnt, order, Tab):
+        """Y[f, col0 : col0 + tw] = W[e] · X[f // xdiv] for every pair f routed to expert e (the grouped path): each
+        32-row block of the tile decoded once (from the table when `table`: twice the values, `half` the scale's
+        factor), each pair's block sum times the block's scale."""
+        tile = T.alloc_buffer((32, tw), "float32", scope="local")
+        acc = T.alloc_buffer((tw,), "float32", scope="local")
+        for r in range(cnt[e], cnt[e + 1]):
+            for v in T.vectorized(tw):
+                Y[order[r], col0 + v] = T.float32(0)
+        for b in range(blocks):
+            for p in range(16):
+                if table:
+                    tile[2 * p, T.Ramp(0, 1, lanes)] = looked(W, Tab, e, b * 16 + p, col0, lanes, 0)
+                    tile[2 * p + 1, T.Ramp(0, 1, lanes)] = looked(W, Tab, e, b * 16 + p, col0, lanes, 1)
+                else:
+                    for v in T.vectorized(tw):
+                        tile[2 * p, v] = elem(W, e, b, p, col0 + v, 0)
+                        tile[2 * p + 1, v] = elem(W, e, b, p, col0 + v, 1)
+            for r in range(cnt[e], cnt[e + 1]):
+                for v in T.vectorized(tw):
+                    acc[v] = T.float32(0)
+                for c in range(32):
+                    for v in T.vectorized(tw):
+                        acc[v] = acc[v] + X[order[r] // xdiv, b * 32 + c] * tile[c, v]
+                for v in T.vectorized(tw):
+                    Y[order[r], col0 + v] = Y[order[r], col0 + v] + acc[v] * (scale(S, e, b, col0 + v) * T.float32(
+                        half))
+
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None
 
@@ -217,31 +246,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
             for et in T.parallel(experts * na):  # g = W13[e] · z for every pair routed to e, tile of ta columns
                 if cnt[et // na + 1] > cnt[et // na]:  # an expert no pair is routed to: nothing decoded
-                    tile = T.alloc_buffer((32, ta), "float32", scope="local")
-                    acc = T.alloc_buffer((ta,), "float32", scope="local")
-                    for r in range(cnt[et // na], cnt[et // na + 1]):
-                        for v in T.vectorized(ta):
-                            G[order[r], et % na * ta + v] = T.float32(0)
-                    for b in range(dblk):  # the block's rows decoded once; each pair's block sum times its scale
-                        for p in range(16):
-                            if table_a:  # twice the values, from the table (the scale is halved below)
-                                tile[2 * p, T.Ramp(0, 1, la)] = looked(W13, Tab, et // na, b * 16 + p, et % na * ta,
-                                                                       la, 0)
-                                tile[2 * p + 1, T.Ramp(0, 1, la)] = looked(W13, Tab, et // na, b * 16 + p,
-                                                                           et % na * ta, la, 1)
-                            else:
-                                for v in T.vectorized(ta):
-                                    tile[2 * p, v] = elem(W13, et // na, b, p, et % na * ta + v, 0)
-                                    tile[2 * p + 1, v] = elem(W13, et // na, b, p, et % na * ta + v, 1)
-                        for r in range(cnt[et // na], cnt[et // na + 1]):
-                            for v in T.vectorized(ta):
-                                acc[v] = T.float32(0)
-                            for c in range(32):
-                                for v in T.vectorized(ta):
-                                    acc[v] = acc[v] + Zs[order[r] // K, b * 32 + c] * tile[c, v]
-                            for v in T.vectorized(ta):
-                                G[order[r], et % na * ta + v] = G[order[r], et % na * ta + v] + acc[v] * (
-                                    scale(S13, et // na, b, et % na * ta + v) * T.float32(half_a))
+                    grouped_gemv(W13, S13, Zs, K, G, et // na, et % na * ta, ta, la, table_a, half_a, dblk, cnt, order,
+                                 Tab)
             for rt in T.parallel(N * K * nb):  # the activation, in place (rows of pairs outside the slice unused)
                 for v in T.vectorized(tb):
                     G[rt // nb, rt % nb * tb + v] = act(G[rt // nb, rt % nb * tb + v],
@@ -250,32 +256,9 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                 for rb in T.parallel(N * K * iblk):
                     quant(G, G, rb // iblk, rb % iblk * 32)
             for et in T.parallel(experts * nd):  # o = w · W2[e] · act for every pair routed to e
-                if cnt[et // nd + 1] > cnt[et // nd]:  # an expert no pair is routed to: nothing decoded
-                    tile = T.alloc_buffer((32, td), "float32", scope="local")
-                    acc = T.alloc_buffer((td,), "float32", scope="local")
-                    for r in range(cnt[et // nd], cnt[et // nd + 1]):
-                        for v in T.vectorized(td):
-                            Out[order[r], et % nd * td + v] = T.float32(0)
-                    for b in range(iblk):  # the block's rows decoded once; each pair's block sum times its scale
-                        for p in range(16):
-                            if table_d:  # twice the values, from the table (the scale is halved below)
-                                tile[2 * p, T.Ramp(0, 1, ld)] = looked(W2, Tab, et // nd, b * 16 + p, et % nd * td,
-                                                                       ld, 0)
-                                tile[2 * p + 1, T.Ramp(0, 1, ld)] = looked(W2, Tab, et // nd, b * 16 + p,
-                                                                           et % nd * td, ld, 1)
-                            else:
-                                for v in T.vectorized(td):
-                                    tile[2 * p, v] = elem(W2, et // nd, b, p, et % nd * td + v, 0)
-                                    tile[2 * p + 1, v] = elem(W2, et // nd, b, p, et % nd * td + v, 1)
-                        for r in range(cnt[et // nd], cnt[et // nd + 1]):
-                            for v in T.vectorized(td):
-                                acc[v] = T.float32(0)
-                            for c in range(32):
-                                for v in T.vectorized(td):
-                                    acc[v] = acc[v] + G[order[r], b * 32 + c] * tile[c, v]
-                            for v in T.vectorized(td):
-                                Out[order[r], et % nd * td + v] = Out[order[r], et % nd * td + v] + acc[v] * (
-                                    scale(S2, et // nd, b, et % nd * td + v) * T.float32(half_d))
+                if cnt[et // nd + 1] > cnt[et // nd]:
+                    grouped_gemv(W2, S2, G, 1, Out, et // nd, et % nd * td, td, ld, table_d, half_d, iblk, cnt, order,
+                                 Tab)
             for nt in T.parallel(N * nd):  # y = sum over the slots in the slice, in slot order
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)
