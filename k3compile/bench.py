@@ -329,6 +329,7 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
     import torch.nn.functional as F
     import tvm
 
+    from k3compile.kernels.moe import expert_tiles
     from k3compile.kernels.moe import moe_kernel as tvm_moe_kernel
     from k3compile.ops.activations import situ
     from k3compile.quant.mx import dequantize_mxfp4, quantize_mxfp4
@@ -341,7 +342,7 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
     f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
     lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0, target=tgt).with_attr(
         "global_symbol", "main")}), target=tgt.tvm())
-    packed = [tvm.runtime.tensor(np.ascontiguousarray(x.numpy().transpose(0, 2, 1))) for x in (w13, w2, s13, s2)]
+    packed = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in (w13, w2, s13, s2)]
     expert_bytes = sum(x[0].numel() for x in (w13, w2, s13, s2))  # uint8 codes and scale bytes of one expert
     def measure(n: int) -> dict:
         z = torch.randn(n, d, generator=gen)

@@ -6,7 +6,8 @@ the tests assert on shapes chosen not to divide the workgroups.
 Inputs are drawn per op: q̂, k̂, v normal (scaled so the state stays O(1)), log-decays g <= 0, β in [0, 1); z
 normal, expert ids over twice the expert slice (so slots outside the slice, which weigh zero, occur), routing weights
 in [0, 1), MXFP4 codes of every value and E8M0 scales over 2^-8 .. 2^8. Each backend gets them in its own layout:
-the op's packed arrays for eager, their transposes ("kn") for the CPU kernel, uint32 words for the GPU kernel
+the op's packed arrays for eager, their column tiles (kernels/moe.py: `expert_tiles`) for the CPU MoE kernel and
+transposes ("kn") for the CPU matmul, uint32 words for the GPU kernel
 (`gpu_words`: written here from the layout's definition in docs/mx.md, apart from the compile path's Relax version).
 
 The error of a kernel is max |device − reference| / max |reference| over its outputs: fp32 sums over 32 to thousands
@@ -136,7 +137,7 @@ def check_moe(target, experts: int, inter: int, width: int, offset: int = 0, act
 
     from k3compile import devices
     from k3compile.kernels import gpu
-    from k3compile.kernels.moe import moe_kernel
+    from k3compile.kernels.moe import expert_tiles, moe_kernel
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch_eager
 
     rng = np.random.default_rng(seed)
@@ -172,9 +173,10 @@ def check_moe(target, experts: int, inter: int, width: int, offset: int = 0, act
         h = h.reshape(tokens, top_k, inter)
     y, = devices.run(gpu.moe_down_gpu_kernel(experts, inter, width, offset, mx), target,
                      [h, ids, w, down_w, down_s], [((tokens, width), "float32")], counter)
-    placeholder = np.zeros((1, 1, 1), np.uint8)
+    placeholder = np.zeros((1, 1, 1, 1), np.uint8)
     cpu, = _llvm(moe_kernel(experts, inter, width, offset, activation == "situ", beta, linear_beta, act_quant, mx),
-                 [z, idx, w, _kn(w13), _kn(w2), _kn(s13) if mx else placeholder, _kn(s2) if mx else placeholder],
+                 [z, idx, w, expert_tiles(w13), expert_tiles(w2), expert_tiles(s13) if mx else placeholder,
+                  expert_tiles(s2) if mx else placeholder],
                  [((tokens, width), "float32")])
     with torch.no_grad():
         t = torch.from_numpy

@@ -12,7 +12,7 @@ collectives (`extern_by_design()`, ops/collectives.py) are extern by design: the
 A factory takes the call's argument expressions and the target and returns (key, make, tensor_args), a `Composite`
 or a `Declined`: `key` names the specialization, `make()` builds the PrimFunc, `tensor_args` are the arguments the
 kernel takes. An argument may be a Relax op on a weight (the target's layout: the CPU expert kernel reads the packed
-experts transposed; float experts cast to float32 and zero-padded to whole 32-blocks) or on an activation (a reshape,
+experts in column tiles; float experts cast to float32 and zero-padded to whole 32-blocks) or on an activation (a reshape,
 a zero pad); the pass binds it before the call, and phase 3 moves the weight ones to compile time. A factory may add
 a fourth element, the kernel's output type, when its shape differs from the call's (the matmul kernel takes x as
 [M, K]); the pass reshapes the kernel's result to the call's shape.
@@ -174,8 +174,8 @@ def moe_factory(args, target=None, mx: bool = True):
     """k3.latent_moe_dispatch_mxfp4(z, idx, w, w13, w2, s13, s2, offset, activation, beta, linear_beta, act_quant),
     or k3.latent_moe_dispatch (float experts, no scales): specialized to (E, I, D, offset, activation, betas,
     act_quant), I and D those of the kernel (float experts padded to 32-blocks: module docstring). The kernel reads
-    the expert arrays in the "kn" layout ([E, rows, cols] -> [E, cols, rows]); float experts get two one-byte
-    placeholders for the scales."""
+    the expert arrays in column tiles (`_expert_tiles`); float experts get two one-byte placeholders for the
+    scales."""
     import numpy as np
     from tvm import relax
 
@@ -214,9 +214,11 @@ def moe_factory(args, target=None, mx: bool = True):
         tensors[3:5] = float_experts(tensors[3], tensors[4], experts, inter, width, ip, dp)
     if _gpu(target):
         return _moe_gpu(tensors, key, mx, width)
-    tensors[3:] = [relax.op.permute_dims(t, [0, 2, 1]) for t in tensors[3:]]
+    per = 2 if mx else 1  # [out, in] of an expert: w13, w2 (packed two codes a byte), then s13, s2
+    dims = [(2 * ip, dp // per), (dp, ip // per)] + ([(2 * ip, dp // BLOCK), (dp, ip // BLOCK)] if mx else [])
+    tensors[3:] = [_expert_tiles(t, experts, *d) for t, d in zip(tensors[3:], dims)]
     if not mx:
-        tensors += [relax.const(np.zeros((1, 1, 1), np.uint8))] * 2
+        tensors += [relax.const(np.zeros((1, 1, 1, 1), np.uint8))] * 2
     z, rows = tensors[0], tensors[0].ty.shape[0]
 
     def emit(bb, call):
@@ -225,6 +227,18 @@ def moe_factory(args, target=None, mx: bool = True):
 
     return Composite(key, {"": lambda: moe_kernel(experts, ip, dp, offset, activation == "situ", beta, linear_beta,
                                                   act_quant, mx, target)}, emit)
+
+
+def _expert_tiles(t, experts: int, out: int, inner: int):
+    """An expert array [E, out, in] -> [E, out/c, in, c], c = column_tile(out): the CPU MoE kernel's layout
+    (kernels/moe.py: `expert_tiles`, the same rearrangement in numpy). The sizes come from the caller: `t` may be an
+    expression not yet normalized (the float experts' cast and pad)."""
+    from tvm import relax
+
+    from k3compile.kernels.moe import column_tile
+
+    c = column_tile(out)
+    return relax.op.permute_dims(relax.op.reshape(t, [experts, out // c, c, inner]), [0, 1, 3, 2])
 
 
 def mxfp4_matmul_factory(args, target=None):

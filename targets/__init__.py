@@ -3,8 +3,8 @@ one module per family saying how to schedule and build for it, and one table, `T
 takes.
 
 A `Target` gives the passes what they ask a target: its TVM target (`tvm()`), the schedule of a standard-op
-PrimFunc (`schedule_func`), the layout its kernels read the packed MXFP4 weights in (`expert_layout`: "kn" bytes on
-the CPU, "words" on the GPUs) and, for a GPU, its limits (checked at compile time) and the device source it writes.
+PrimFunc (`schedule_func`), the layout its kernels read the packed MXFP4 weights in (`expert_layout`: column tiles
+of bytes on the CPU, "words" on the GPUs) and, for a GPU, its limits (checked at compile time) and the device source it writes.
 `resolve(name)` turns a `--target` value into one, or raises ExportError with one line: an unknown name, or a
 target this machine or this TVM build cannot compile for, and why.
 """
@@ -42,7 +42,7 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
 class Target:
     name: str                       # the `--target` value
     kind: str                       # TVM's target kind
-    expert_layout: str              # "kn": packed MXFP4 stored [E, K/2, N] bytes; "words": [E, K/8, N] uint32
+    expert_layout: str              # "tiles": packed MXFP4 stored [E, N/t, K/2, t] bytes; "words": [E, K/8, N] uint32
     schedule_func: Callable         # PrimFunc -> scheduled PrimFunc
     dense_panel: int                # dense weights stored as [N/P, K, P] panels (0: as exported, [K, N])
     options: tuple = ()             # extra TVM target fields, (key, value) pairs
@@ -103,7 +103,7 @@ class Target:
 def _llvm() -> Target:
     from k3compile.targets.llvm import PANEL, schedule_func
 
-    return Target("llvm", "llvm", "kn", schedule_func, PANEL, (*host_cpu(), ("num-cores", os.cpu_count() or 1)))
+    return Target("llvm", "llvm", "tiles", schedule_func, PANEL, (*host_cpu(), ("num-cores", os.cpu_count() or 1)))
 
 
 def _family(name: str) -> Callable[[], Target]:

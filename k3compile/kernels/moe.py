@@ -1,19 +1,22 @@
 """The latent-MoE dispatch with MXFP4 (or float32) experts as a TIR kernel for CPU targets (docs/model.md, "Router and
 latent MoE"; docs/mx.md; the layout choice: docs/toolchain.md, "CPU schedules").
 
-Inputs: z [N, D], idx [N, k] int64, w [N, k], and the packed experts in the "kn" layout the CPU target stores
-(phase 1 transposes the k3 node's [E, rows, cols/2] arrays, phase 2 lifts that to compile time): w13 [E, D/2, 2I]
-+ scales [E, D/32, 2I], w2 [E, I/2, D] + scales [E, I/32, D] (uint8) -> y [N, D] fp32, the pre-norm latent partial
-sum of the expert slice [offset, offset + E). An output column is contiguous across a packed row, so each GEMV runs
-over 64 output columns at a time as one vector.
+Inputs: z [N, D], idx [N, k] int64, w [N, k], and the packed experts in the column-tiled layout the CPU target
+stores (`expert_tiles`: phase 1 rearranges the k3 node's [E, rows, cols/2] arrays, phase 3 lifts that to compile
+time): w13 [E, 2I/ta, D/2, ta] + scales [E, 2I/ta, D/32, ta], w2 [E, D/td, I/2, td] + scales [E, D/td, I/32, td]
+(uint8; ta, td = `column_tile` of 2I and D, 64 for the presets) -> y [N, D] fp32, the pre-norm latent partial sum of
+the expert slice [offset, offset + E). A tile's output columns are contiguous across a packed row, so each GEMV runs
+over 64 output columns at a time as one vector, and a tile's rows follow each other, so a GEMV streams each tile
+from memory in order (the transposed "kn" layout this replaced put a row's 64 bytes 1 KiB apart: 1.75x slower at
+decode with the weights out of cache; docs/toolchain.md, "CPU schedules").
 
 For each routed slot j (in order), three parallel loops over tokens x column tiles:
     h[n, :]  = W13[idx[n, j]] · z[n]                     (gate and up; 0 for an expert outside the slice)
     h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
     y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
 so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
-(the sparse path). When there are at least as many routed (token, slot) pairs as experts in the slice (`grouped`:
-prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of routed pairs in
+(the sparse path). When there are at least 1.5 times as many routed (token, slot) pairs as experts in the slice
+(`grouped`: prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of routed pairs in
 the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over experts x column
 tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from the table where
 there is one, as decode's GEMVs) and applied to every pair of the expert, each pair's block sum times the block's
@@ -37,12 +40,13 @@ zero-pads float experts of other widths, z and y around the call (passes/lower_k
 from __future__ import annotations
 
 
-def grouped(tokens: int, top_k: int, experts: int) -> bool:
+def grouped(tokens, top_k, experts):
     """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
-    there are at least as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts, top-4,
-    512 x 512, this 2-core CPU, docs/toolchain.md "CPU schedules"): per-pair GEMVs are 1.4x faster at 1 token, the
-    two break even at 8 (32 pairs), grouping is 1.2-1.6x at 16 and 2x at 32 tokens."""
-    return tokens * top_k >= experts
+    there are at least 1.5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
+    top-4, 512 x 512, this 2-core CPU, weights out of cache, docs/toolchain.md "CPU schedules"): per-pair GEMVs are
+    1.7x faster at 1 token and 1.1x at 8, the two break even at 12 (48 pairs), grouping is 1.1x at 16 and 1.4x at
+    32 tokens. Also the kernel's own branch (the sizes then TIR expressions)."""
+    return 2 * tokens * top_k >= 3 * experts
 
 
 def column_tile(n: int) -> int:
@@ -50,10 +54,22 @@ def column_tile(n: int) -> int:
     return next(t for t in (64, 32, 16, 8, 4, 2, 1) if n % t == 0)
 
 
+def expert_tiles(a):
+    """An expert array in the op's orientation, [E, out, in] (numpy; packed codes, scales or float weights), as the
+    CPU kernel reads it: [E, out/t, in, t], column tile t = `column_tile(out)` (module docstring). The pass builds
+    the same rearrangement as Relax ops (passes/lower_k3_calls.py: `_expert_tiles`)."""
+    import numpy as np
+
+    e, out, inner = a.shape
+    t = column_tile(out)
+    return np.ascontiguousarray(a.reshape(e, out // t, t, inner).transpose(0, 1, 3, 2))
+
+
 def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, beta: float, linear_beta: float,
                act_quant: str = "none", mx: bool = True, target=None):
-    """The kernel for the sizes and attributes of one call; `mx`: MXFP4 experts ("kn" layout), else float32 experts
-    [E, D, 2I] / [E, I, D] (the two scale arguments then one-byte placeholders, never read). `target` (a CPU
+    """The kernel for the sizes and attributes of one call; `mx`: MXFP4 experts, else float32 experts
+    [E, 2I, D] / [E, D, I] (the two scale arguments then one-byte placeholders, never read); both in column tiles
+    (`expert_tiles`). `target` (a CPU
     Target): where it can look E2M1 codes up in a register (kernels/mx.py: PSHUFB), decode's GEMVs do, a column tile
     at a time; the result is the same bit for bit."""
     from tvm import tirx
@@ -72,8 +88,11 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     wtype = "uint8" if mx else "float32"
 
     def looked(W, Tab, e, row, col0, lanes: int, high: int):
-        """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes), from the table."""
-        return fp4_twice_x(W[e, row, tirx.Ramp(col0, 1, lanes)], Tab[tirx.Ramp(0, 1, lanes)], lanes, high)
+        """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes) (within one tile), from the
+        table."""
+        tw = W.shape[3]
+        return fp4_twice_x(W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)], Tab[tirx.Ramp(0, 1, lanes)], lanes,
+                           high)
 
     def looked_step(Acc, W, Tab, e, b, p, col0, lanes: int, X, xrow):
         """Acc's `lanes` partial sums plus packed row b·16 + p of expert e (its two nibbles: input elements
@@ -84,10 +103,12 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
 
     def elem(W, e, b, p, col, high: int):
         """Row 32 b + 2 p + high of expert e's weight (a column of the output): an E2M1 nibble, or a float."""
-        return fp4(W[e, b * 16 + p, col], high) if mx else W[e, b * 32 + 2 * p + high, col]
+        tw = W.shape[3]
+        return fp4(W[e, col // tw, b * 16 + p, col % tw], high) if mx else W[e, col // tw, b * 32 + 2 * p + high,
+                                                                              col % tw]
 
     def scale(S, e, b, col):
-        return e8m0(S[e, b, col]) if mx else tirx.const(1.0, "float32")
+        return e8m0(S[e, col // S.shape[3], b, col % S.shape[3]]) if mx else tirx.const(1.0, "float32")
 
     def act(gate, up):
         """SiTU: β tanh(gate / β) σ(gate) · β_lin tanh(up / β_lin); else SiLU(gate) · up (ops/activations.py)."""
@@ -136,10 +157,10 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         Z = T.match_buffer(z, (N, width), "float32")
         Idx = T.match_buffer(idx, (N, K), "int64")
         Wt = T.match_buffer(w, (N, K), "float32")
-        W13 = T.match_buffer(w13, (experts, d2 if mx else width, 2 * inter), wtype)
-        W2 = T.match_buffer(w2, (experts, i2 if mx else inter, width), wtype)
-        S13 = T.match_buffer(s13, (experts, dblk, 2 * inter) if mx else (1, 1, 1), "uint8")
-        S2 = T.match_buffer(s2, (experts, iblk, width) if mx else (1, 1, 1), "uint8")
+        W13 = T.match_buffer(w13, (experts, na, d2 if mx else width, ta), wtype)  # column tiles (expert_tiles)
+        W2 = T.match_buffer(w2, (experts, nd, i2 if mx else inter, td), wtype)
+        S13 = T.match_buffer(s13, (experts, na, dblk, ta) if mx else (1, 1, 1, 1), "uint8")
+        S2 = T.match_buffer(s2, (experts, nd, iblk, td) if mx else (1, 1, 1, 1), "uint8")
         Y = T.match_buffer(y, (N, width), "float32")
         Zq = T.alloc_buffer((N, width) if quantize else (1,), "float32")
         if quantize:  # MXFP8 fake quantization of the expert input, 32-wide blocks along D
@@ -150,7 +171,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         if table_a or table_d:
             for i in range(64):
                 Tab[i] = fp4_twice(i)
-        if N * K < experts:  # fewer pairs than experts (`grouped`): each routed pair's two GEMVs on its expert
+        if tirx.Not(grouped(N, K, experts)):  # few pairs: each routed pair's two GEMVs on its expert
             H = T.alloc_buffer((N * K, 2 * inter), "float32")
             Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output
             for f in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV)

@@ -29,7 +29,7 @@ from tvm import relax
 from k3compile.compile import _no_extern_calls, build_proto
 from k3compile.config import ConfigError
 from k3compile.interface import ExportError
-from k3compile.kernels.moe import grouped
+from k3compile.kernels.moe import column_tile, grouped
 from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch_eager
 from k3compile.ops.mxfp4_matmul import mxfp4_matmul_eager
 from k3compile.ops.onnx_body import ACT_QUANT_CODES, ACTIVATION_CODES
@@ -87,7 +87,8 @@ def test_float_experts_of_any_width_lower_to_the_kernel_and_equal_the_op(e, i, d
     w13 = (torch.randn(e, 2 * i, d, generator=gen) * 0.2).to(getattr(torch, dtype))
     w2 = (torch.randn(e, d, i, generator=gen) * 0.2).to(getattr(torch, dtype))
     weights = list(vm["main_transform_params"]([tvm.runtime.tensor(w13.numpy()), tvm.runtime.tensor(w2.numpy())]))
-    assert [tuple(t.shape) for t in weights] == [(e, dp, 2 * ip), (e, ip, dp)]  # stored padded, "kn", float32
+    ta, td = column_tile(2 * ip), column_tile(dp)  # stored padded, in column tiles (expert_tiles), float32
+    assert [tuple(t.shape) for t in weights] == [(e, 2 * ip // ta, dp, ta), (e, dp // td, ip, td)]
     assert [grouped(n, 2, e) for n in TOKENS] == [False, True]  # both of the kernel's paths
     for n in TOKENS:
         z = torch.randn(n, d, generator=gen)

@@ -143,16 +143,16 @@ def _moe_inputs(n, d, i, e, k, high, seed):
 def _run_moe(args, e, i, d, offset, activation, act_quant="none", target=None):
     from k3compile.targets import resolve
 
-    from k3compile.kernels.moe import moe_kernel
+    from k3compile.kernels.moe import expert_tiles, moe_kernel
 
     mx = len(args) == 7
     f = moe_kernel(e, i, d, offset, activation == "situ", 4.0, 25.0, act_quant, mx, target).with_attr(
         "global_symbol", "main")
     y = tvm.runtime.empty((args[0].shape[0], d), "float32")
-    # the kernel reads the CPU target's "kn" layout: [E, rows, cols] -> [E, cols, rows]
-    feeds = [x.numpy() for x in args[:3]] + [np.ascontiguousarray(x.numpy().transpose(0, 2, 1)) for x in args[3:]]
+    # the kernel reads the CPU target's column tiles: [E, out, in] -> [E, out / t, in, t]
+    feeds = [x.numpy() for x in args[:3]] + [expert_tiles(x.numpy()) for x in args[3:]]
     if not mx:
-        feeds += [np.zeros((1, 1, 1), np.uint8)] * 2  # the scale placeholders
+        feeds += [np.zeros((1, 1, 1, 1), np.uint8)] * 2  # the scale placeholders
     tvm.compile(tvm.IRModule({"main": f}), target=resolve().tvm())["main"](*map(tvm.runtime.tensor, feeds), y)
     return y.numpy()
 
@@ -205,7 +205,7 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
     (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
     (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
-    (2, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
+    (3, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
 def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant):
     """On a CPU with byte shuffles (kernels/mx.py: PSHUFB), the GEMVs and the grouped tiles look the E2M1 codes up;
@@ -241,7 +241,7 @@ def test_the_cases_above_cover_both_kernel_paths():
         False, False, False, True, True]
     assert [grouped(n, 2, 4) for n in (1, 20)] == [False, True]
     assert [grouped(n, 2, 5) for n in (2, 20, 1, 18)] == [False, True, False, True]
-    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (2, 3, 5)]] == [False, True, True]
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (3, 3, 5)]] == [False, True, True]
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
