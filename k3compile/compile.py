@@ -45,10 +45,12 @@ if TYPE_CHECKING:
 
 def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
-                   tune: int = 0, dense: str = "auto") -> dict:
+                   tune: int = 0, dense: str = "auto", decode_library: bool = True) -> dict:
     """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
-    `out`; returns the manifest. With `tune` > 0 the artifact also holds decode.so, tuned with that many
-    meta_schedule trials (k3compile/tune.py). `dense`: how the dense matrices are stored (`dense_target`)."""
+    `out`; returns the manifest. On a CPU target the artifact also holds decode.so, the decode step at batch 1 built
+    with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library"), unless `decode_library` is
+    False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`: how the dense
+    matrices are stored (`dense_target`)."""
     import tempfile
 
     import onnx
@@ -65,6 +67,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
         raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
     if tune and tgt.gpu:
         raise ExportError(f"--tune tunes CPU code; target {tgt.name!r} is scheduled by dlight and its own kernels")
+    if tune and not decode_library:
+        raise ExportError(f"--tune {tune} tunes the decode library, which --no-decode-library leaves out")
     if dump_ir is not None:
         _dump_folder(dump_ir, create=False, apart_from=(out, export_dir))  # refused before any work; created once
         # the compile starts
@@ -78,10 +82,10 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
         if tgt.gpu:
             write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
-        if tune:
+        if decode_library and not tgt.gpu:
             decode, rows = build_decode(export_dir, tgt, tune, work, progress=step)
             decode.export_library(str(w.path / DECODE_LIBRARY))
-            for name in (WORKLOADS, RECORDS):
+            for name in (WORKLOADS, RECORDS) if tune else ():
                 shutil.copyfile(Path(work) / name, w.path / name)
             tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
         save_file({n: p.numpy() for n, p in zip(names, params)}, str(w.path / WEIGHTS))
@@ -437,8 +441,8 @@ def _no_extern_calls(mod, tgt) -> None:
 
 def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Path,
                  progress: Callable[[str], None] | None = None):
-    """The decode library of `--tune` (k3compile/tune.py): the export imported with batch = seq = 1, lowered and
-    scheduled like `main`, its static functions tuned; it takes main's weights, which is checked (the two weight
+    """The decode library (k3compile/tune.py): the export imported with batch = seq = 1, lowered and scheduled like
+    `main`, its static functions tuned when `trials` > 0; it takes main's weights, which is checked (the two weight
     transforms must be the same function). Returns (executable, tuning rows)."""
     import onnx
     import tvm
@@ -463,7 +467,9 @@ def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Pat
     if not _same_transform(mod, main_mod, tvm_ffi.structural_equal):
         raise ExportError(f"{export_dir}: the decode step's weights are not main's; it cannot be tuned apart")
     legalized = legalize_fuse(tgt)(mod)
-    mod, rows = tune_decode(legalized, schedule(tgt)(legalized), tgt, trials, work_dir, progress=step)
+    mod, rows = schedule(tgt)(legalized), []
+    if trials:
+        mod, rows = tune_decode(legalized, mod, tgt, trials, work_dir, progress=step)
     _no_extern_calls(mod, tgt)
     step("compiling the decode library")
     with tgt.compiling():  # it takes main's weights: it carries main's names (library.py)

@@ -1,8 +1,10 @@
-"""`compile --tune N`: meta_schedule tuning of the decode step (docs/architecture.md, "Tuning").
+"""The decode library and `compile --tune N`, meta_schedule tuning of it (docs/architecture.md, "The decode library
+and tuning").
 
-meta_schedule tunes static shapes only, and the artifact's `main` serves every batch, sequence and cache length. So
-with `--tune N` the compile also builds `decode.so`: the same graph imported with batch = seq = 1 (one token of one
-sequence: `generate`'s decode step at batch 1), through the same phases, sharing `main`'s weights. Its standard-op
+The artifact's `main` serves every batch, sequence and cache length; a CPU compile also builds `decode.so`: the same
+graph imported with batch = seq = 1 (one token of one sequence: `generate`'s decode step at batch 1), through the
+same phases, sharing `main`'s weights (k3compile/compile.py: `build_decode`). meta_schedule tunes static shapes
+only, so with `--tune N` that module's functions are tuned. Its standard-op
 PrimFuncs are then static except where the cache length enters (attention), and each static one the target's
 rules schedule becomes a meta_schedule task, weighted by its number of calls; TVM's gradient task scheduler shares
 the N trials among them. For each tuned task the best tuned schedule and the hand schedule are timed here on the

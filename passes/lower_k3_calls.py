@@ -12,10 +12,10 @@ collectives (`extern_by_design()`, ops/collectives.py) are extern by design: the
 A factory takes the call's argument expressions and the target and returns (key, make, tensor_args), a `Composite`
 or a `Declined`: `key` names the specialization, `make()` builds the PrimFunc, `tensor_args` are the arguments the
 kernel takes. An argument may be a Relax op on a weight (the target's layout: the CPU expert kernel reads the packed
-experts in column tiles; float experts cast to float32 and zero-padded to whole 32-blocks) or on an activation (a reshape,
-a zero pad); the pass binds it before the call, and phase 3 moves the weight ones to compile time. A factory may add
-a fourth element, the kernel's output type, when its shape differs from the call's (the matmul kernel takes x as
-[M, K]); the pass reshapes the kernel's result to the call's shape.
+experts in column tiles; float experts cast to float32 and zero-padded to whole 32-blocks) or on an activation (a
+reshape, a zero pad); the pass binds it before the call, and phase 3 moves the weight ones to compile time. A
+factory may add a fourth element, the kernel's output type, when its shape differs from the call's (the matmul
+kernel takes x as [M, K]); the pass reshapes the kernel's result to the call's shape.
 
 A `Composite` is several PrimFuncs (stages; one, named "", for a kernel that needs Relax around it) and a function
 that emits their calls in order: the GPU MoE (MXFP8 quantization, gate-up, down), a kernel run at padded sizes (z

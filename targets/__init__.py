@@ -4,7 +4,8 @@ takes.
 
 A `Target` gives the passes what they ask a target: its TVM target (`tvm()`), the schedule of a standard-op
 PrimFunc (`schedule_func`), the layout its kernels read the packed MXFP4 weights in (`expert_layout`: column tiles
-of bytes on the CPU, "words" on the GPUs) and, for a GPU, its limits (checked at compile time) and the device source it writes.
+of bytes on the CPU, "words" on the GPUs) and, for a GPU, its limits (checked at compile time) and the device source
+it writes.
 `resolve(name)` turns a `--target` value into one, or raises ExportError with one line: an unknown name, or a
 target this machine or this TVM build cannot compile for, and why.
 """

@@ -101,7 +101,7 @@ class TvmBackend:
         self.device = tvm.cpu()
         self._tensor = tvm.runtime.tensor
         t0 = time.perf_counter()
-        self._decode_executable = None  # compile --tune's decode.so, when the artifact has one
+        self._decode_executable = None  # the decode library (decode.so), when the artifact has one
         if (folder / MANIFEST).is_file():
             self._load_artifact(folder)
         else:
@@ -115,11 +115,11 @@ class TvmBackend:
         self._last = self._has(LAST_FUNC)
 
     def _vm_for(self, input_ids):
-        """compile --tune's decode library for a batch-1 decode step, when the artifact has one; else main's."""
+        """The decode library for a batch-1 decode step, when the artifact has one; else main's."""
         return self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
 
     def _has(self, name: str) -> bool:
-        """Whether the library (and compile --tune's decode library, when there is one) has function `name`."""
+        """Whether the library (and the decode library, when there is one) has function `name`."""
         return all(vm is None or _has_function(vm, name) for vm in (self._vm, self._decode_vm))
 
     def _compile_export(self, folder: Path, target) -> None:
@@ -151,7 +151,7 @@ class TvmBackend:
         self.executable = library.load(folder / LIBRARY, names, folder / WEIGHTS)
         self._params = library.read_weights(folder / WEIGHTS, names, self.device)
         tuning = self.manifest.get("tuning")
-        if tuning:  # compile --tune: a library for decode at batch 1 (k3compile/tune.py), on the same weights
+        if tuning:  # the decode library: decode at batch 1, static shapes (k3compile/tune.py), on the same weights
             self._decode_executable = library.load(folder / tuning["library"], names, folder / WEIGHTS)
 
     def _input(self, x: np.ndarray):

@@ -16,12 +16,12 @@ For each routed slot j (in order), three parallel loops over tokens x column til
     y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
 so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
 (the sparse path). When there are at least 1.5 times as many routed (token, slot) pairs as experts in the slice
-(`grouped`: prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of routed pairs in
-the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over experts x column
-tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from the table where
-there is one, as decode's GEMVs) and applied to every pair of the expert, each pair's block sum times the block's
-scale; the slot outputs are then summed per token in slot order. Pairs routed outside the slice are in no list and
-weigh zero; an expert without pairs is not decoded.
+(`grouped`: prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of
+routed pairs in the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over
+experts x column tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from
+the table where there is one, as decode's GEMVs) and applied to every pair of the expert, each pair's block sum
+times the block's scale; the slot outputs are then summed per token in slot order. Pairs routed outside the slice
+are in no list and weigh zero; an expert without pairs is not decoded.
 
 MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are

@@ -1,6 +1,7 @@
-"""`compile --tune N` (k3compile/tune.py): the artifact gains decode.so, tuned with meta_schedule, and its database;
-the backend runs decode at batch 1 through it, equal to eager; a tampered tuning file is refused. One tuned compile
-of k3-tiny per session (~3 minutes: meta_schedule's builder workers start slowly)."""
+"""The decode library (k3compile/tune.py): every CPU artifact holds decode.so, the batch-1 decode step with static
+shapes, which the backend runs decode at batch 1 through, equal to eager; `compile --tune N` tunes it with
+meta_schedule and keeps the database; a tampered tuning file is refused. One tuned compile of k3-tiny per session
+(~3 minutes: meta_schedule's builder workers start slowly)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,23 @@ def test_tuned_artifact_holds_the_decode_library_and_the_database(tuned_artifact
 
 
 def test_tuned_decode_equals_eager(tiny_export, tuned_artifact):
-    backend = TvmBackend(tuned_artifact[0])
+    _decode_library_equals_eager(tiny_export, tuned_artifact[0])
+
+
+def test_the_default_artifact_decodes_on_its_untuned_decode_library(tiny_export, tvm_artifact):
+    """A plain `compile` on a CPU target builds decode.so (no tuning, no database) and the backend, loaded from the
+    written artifact, runs batch-1 decode on it, equal to eager."""
+    from k3compile.tune import DECODE_LIBRARY, RECORDS, WORKLOADS
+
+    manifest, folder = tvm_artifact
+    assert manifest["tuning"] == {"trials": 0, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": []}
+    assert (folder / DECODE_LIBRARY).is_file() and DECODE_LIBRARY in manifest["files"]
+    assert not (folder / WORKLOADS).exists() and not (folder / RECORDS).exists()
+    _decode_library_equals_eager(tiny_export, folder)
+
+
+def _decode_library_equals_eager(tiny_export, folder):
+    backend = TvmBackend(folder)
     assert backend._decode_vm is not None
     used = []
     backend._decode_vm = _Spy(backend._decode_vm, used)
@@ -86,5 +103,6 @@ def test_a_tampered_tuning_file_is_refused(tuned_artifact, tmp_path):
     one_line_error(run("generate", str(bad), "--backend", "tvm", "--max-new-tokens", "1"), RECORDS)
 
 
-def test_tune_takes_a_count():
+def test_tune_takes_a_count_and_the_decode_library():
     one_line_error(run("compile", "nowhere", "-o", "x", "--tune", "-1"), "--tune")
+    one_line_error(run("compile", "nowhere", "-o", "x", "--tune", "4", "--no-decode-library"), "--no-decode-library")

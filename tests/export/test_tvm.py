@@ -400,8 +400,9 @@ def test_dense_weights_fp32_and_bf16_refusals(tmp_path, tiny_export, tvm_artifac
     from k3compile.source import load_model
 
     model, folder, _ = tiny_export
-    manifest = compile_export(folder, tmp_path / "fp32", dense="fp32")
+    manifest = compile_export(folder, tmp_path / "fp32", dense="fp32", decode_library=False)
     assert manifest["dense_weights"] == "fp32"
+    assert "tuning" not in manifest and not (tmp_path / "fp32" / "decode.so").exists()  # main runs every step
     wide, narrow = (load_file(str(d / "weights.safetensors")) for d in (tmp_path / "fp32", tvm_artifact[1]))
     assert not any(w.dtype == np.uint16 for w in wide.values())
     nbytes = {d: sum(w.nbytes for w in ws.values() if w.dtype in (np.float32, np.uint16)) for d, ws in
