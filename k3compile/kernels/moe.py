@@ -15,7 +15,7 @@ For each routed slot j (in order), three parallel loops over tokens x column til
     h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
     y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
 so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
-(the sparse path). When there are at least 1.5 times as many routed (token, slot) pairs as experts in the slice
+(the sparse path). When there are at least 2.5 times as many routed (token, slot) pairs as experts in the slice
 (`grouped`: prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of
 routed pairs in the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over
 experts x column tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from
@@ -42,11 +42,11 @@ from __future__ import annotations
 
 def grouped(tokens, top_k, experts):
     """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
-    there are at least 1.5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
-    top-4, 512 x 512, this 2-core CPU, weights out of cache, docs/toolchain.md "CPU schedules"): per-pair GEMVs are
-    1.7x faster at 1 token and 1.1x at 8, the two break even at 12 (48 pairs), grouping is 1.1x at 16 and 1.4x at
-    32 tokens. Also the kernel's own branch (the sizes then TIR expressions)."""
-    return 2 * tokens * top_k >= 3 * experts
+    there are at least 2.5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
+    top-4, 512 x 512, this 2-core CPU with vpermps, weights out of cache, docs/toolchain.md "CPU schedules"):
+    per-pair GEMVs are 2x faster at 1 token, 1.35x at 8 and 1.07x at 16, the two break even at 20 (80 pairs),
+    grouping is 1.04x at 24 and 1.14x at 32 tokens. Also the kernel's own branch (the sizes then TIR expressions)."""
+    return 2 * tokens * top_k >= 5 * experts
 
 
 def column_tile(n: int) -> int:
@@ -75,7 +75,16 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     from tvm import tirx
     from tvm.script import tirx as T
 
-    from k3compile.kernels.mx import e8m0, fake_quant_block, fp4, fp4_table_lanes, fp4_twice, fp4_twice_x
+    from k3compile.kernels.mx import (
+        e8m0,
+        fake_quant_block,
+        fp4,
+        fp4_permps,
+        fp4_table,
+        fp4_table_lanes,
+        fp4_twice,
+        fp4_twice_x,
+    )
     from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
     d2, i2, dblk, iblk = width // 2, inter // 2, width // 32, inter // 32
@@ -84,6 +93,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     la, ld = (fp4_table_lanes(target, t) if mx else 0 for t in (ta, td))  # lookup lanes of the two GEMVs (0: none)
     table_a, table_d = la > 0, ld > 0  # (the script's static conditions must be Python booleans)
     half_a, half_d = (0.5 if table else 1.0 for table in (table_a, table_d))  # a table holds twice the E2M1 values
+    permps = fp4_permps(target)  # the table: 16 fp32 (vpermps) or 64 int8 (pshufb)
+    entries, table_dtype = fp4_table(permps)
 
     wtype = "uint8" if mx else "float32"
 
@@ -91,8 +102,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes) (within one tile), from the
         table."""
         tw = W.shape[3]
-        return fp4_twice_x(W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)], Tab[tirx.Ramp(0, 1, lanes)], lanes,
-                           high)
+        return fp4_twice_x(W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)],
+                           Tab[tirx.Ramp(0, 1, 16 if permps else lanes)], lanes, high, permps)
 
     def looked_step(Acc, W, Tab, e, b, p, col0, lanes: int, X, xrow):
         """Acc's `lanes` partial sums plus packed row b·16 + p of expert e (its two nibbles: input elements
@@ -167,10 +178,10 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
             for zb in T.parallel(N * dblk):
                 quant(Z, Zq, zb // dblk, zb % dblk * 32)
         Zs = T.meta_var(Zq if quantize else Z)
-        Tab = T.alloc_buffer((64,), "int8")  # the E2M1 lookup table (fp4_twice), for the loops that use it
+        Tab = T.alloc_buffer((entries,), table_dtype)  # the E2M1 lookup table (fp4_twice), for the loops that use it
         if table_a or table_d:
-            for i in range(64):
-                Tab[i] = fp4_twice(i)
+            for i in range(entries):
+                Tab[i] = fp4_twice(i, permps)
         if tirx.Not(grouped(N, K, experts)):  # few pairs: each routed pair's two GEMVs on its expert
             H = T.alloc_buffer((N * K, 2 * inter), "float32")
             Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output

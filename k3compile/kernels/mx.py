@@ -35,36 +35,62 @@ def fp4(byte, high: int):
     return _fp4_code(tirx.bitwise_and(tirx.shift_right(byte, tirx.const(4 * high, "uint8")), tirx.const(15, "uint8")))
 
 
-# In-register lookup of E2M1 codes (docs/mx.md, "Decoding on the CPU"): x86's byte shuffle (pshufb) reads a
-# 16-entry table per 128-bit lane, indexed by each byte's low 4 bits; a vector of `lanes` weight bytes (one byte of
-# `lanes` output columns) gives twice each nibble's E2M1 value as int8 ({0, 1, 2, 3, 4, 6, 8, 12} and negatives: all
-# whole), one instruction for `lanes` codes where the arithmetic decode above takes about ten. The halving goes into
-# the block's scale (a power of two: the result is bit for bit the same). Lanes -> (LLVM CPU feature, intrinsic).
-PSHUFB = {64: ("avx512bw", "llvm.x86.avx512.pshuf.b.512"), 32: ("avx2", "llvm.x86.avx2.pshuf.b"),
-          16: ("ssse3", "llvm.x86.ssse3.pshuf.b.128")}
+# In-register lookup of E2M1 codes (docs/mx.md, "Decoding on the CPU"). Twice each E2M1 value is whole ({0, 1, 2,
+# 3, 4, 6, 8, 12} and negatives); the halving goes into the block's scale (a power of two: the result is bit for bit
+# the arithmetic decode's). With AVX-512F the 16 values sit as fp32 in one register and `vpermps` picks them by each
+# 32-bit lane's low 4 bits: a weight byte widened to 32 bits gives its low nibble's value directly, shifted right by
+# 4 its high nibble's (no mask, no int8 -> fp32 conversion), 16 columns an instruction. Without it, x86's byte
+# shuffle (pshufb) reads an int8 table per 128-bit lane by each byte's low 4 bits, `lanes` codes at once, widened
+# to fp32 after; a CPU with neither decodes with the bit operations above (about ten an element).
+PERMPS = ("avx512f", "llvm.x86.avx512.permvar.sf.512")  # (LLVM CPU feature, intrinsic)
+PSHUFB = {32: ("avx2", "llvm.x86.avx2.pshuf.b"), 16: ("ssse3", "llvm.x86.ssse3.pshuf.b.128")}  # lanes -> same
+# (64-lane pshufb is AVX-512BW, which comes with AVX-512F: such a CPU takes vpermps)
+
+
+def fp4_permps(target) -> bool:
+    """Whether `target` (a k3compile Target, or None) looks E2M1 codes up with vpermps (AVX-512F)."""
+    return target is not None and target.kind == "llvm" and target.has_feature(PERMPS[0])
 
 
 def fp4_table_lanes(target, lanes: int) -> int:
-    """`lanes` when `target` (a k3compile Target, or None) is a CPU that can look up `lanes` E2M1 codes at once
-    (PSHUFB), else 0 (the kernel decodes with bit operations)."""
+    """`lanes` when `target` (a k3compile Target, or None) is a CPU that can look up `lanes` E2M1 codes from a table
+    (vpermps: lanes a multiple of 16; else PSHUFB's widths), else 0 (the kernel decodes with bit operations)."""
+    if lanes % 16 == 0 and fp4_permps(target):
+        return lanes
     if target is None or target.kind != "llvm" or lanes not in PSHUFB:
         return 0
     return lanes if target.has_feature(PSHUFB[lanes][0]) else 0
 
 
-def fp4_twice(i):
-    """Entry i (an integer expression, 0..63) of the lookup table: twice the E2M1 value of code i % 16, as int8."""
+def fp4_table(permps: bool) -> tuple[int, str]:
+    """The lookup table's (entries, dtype): 16 fp32 for vpermps, 64 int8 for pshufb (16 per 128-bit lane)."""
+    return (16, "float32") if permps else (64, "int8")
+
+
+def fp4_twice(i, permps: bool = False):
+    """Entry i (an integer expression, 0..63) of the lookup table: twice the E2M1 value of code i % 16, as int8 (as
+    fp32 for vpermps)."""
     from tvm import tirx
 
     code = tirx.Cast("uint8", tirx.floormod(i, 16))
-    return tirx.Cast("int8", _fp4_code(code) * tirx.const(2.0, "float32"))
+    return tirx.Cast("float32" if permps else "int8", _fp4_code(code) * tirx.const(2.0, "float32"))
 
 
-def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int):
+def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int, permps: bool = False):
     """Twice the E2M1 values of the low (high=0) or high (high=1) nibbles of `byte_vec` (uint8 x lanes), looked up in
-    `table_vec` (int8 x lanes, fp4_twice of 0..lanes-1), as float32 x lanes."""
+    `table_vec` (`fp4_table`: fp32 x 16 for vpermps, 16 lanes at a time; else int8 x lanes), as float32 x lanes."""
     from tvm import tirx
 
+    if permps:
+        parts = []
+        for g in range(lanes // 16):
+            piece = byte_vec if lanes == 16 else tirx.Shuffle([byte_vec], [tirx.const(16 * g + i, "int32")
+                                                                          for i in range(16)])
+            index = tirx.Cast("int32x16", piece)  # zero-extended: vpermps reads the low 4 bits
+            if high:
+                index = tirx.shift_right(index, tirx.Broadcast(tirx.const(4, "int32"), 16))
+            parts.append(tirx.call_llvm_pure_intrin("float32x16", PERMPS[1], table_vec, index))
+        return parts[0] if lanes == 16 else tirx.Shuffle(parts, [tirx.const(i, "int32") for i in range(lanes)])
     if high:
         nib = tirx.shift_right(byte_vec, tirx.Broadcast(tirx.const(4, "uint8"), lanes))
     else:

@@ -205,22 +205,30 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
     (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
     (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
-    (3, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
+    (5, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
-def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant):
-    """On a CPU with byte shuffles (kernels/mx.py: PSHUFB), the GEMVs and the grouped tiles look the E2M1 codes up;
-    the output is the arithmetic decode's bit for bit (twice the values, half the scale: powers of two) and the
-    op's within fp32 summation order. A NaN scale block still poisons its token."""
+@pytest.mark.parametrize("lookup", ["vpermps", "pshufb"])
+def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant, lookup,
+                                                              monkeypatch):
+    """On a CPU with a register lookup (kernels/mx.py: vpermps with AVX-512F, else PSHUFB's byte shuffles), the GEMVs
+    and the grouped tiles look the E2M1 codes up; the output is the arithmetic decode's bit for bit (twice the
+    values, half the scale: powers of two) and the op's within fp32 summation order. A NaN scale block still poisons
+    its token. "pshufb" builds the kernel as for a CPU without AVX-512F (the 32-column tiles then take the byte
+    shuffle, 64-column ones the bit operations)."""
     from k3compile.targets import resolve
 
+    from k3compile.kernels import mx
     from k3compile.kernels.moe import column_tile
-    from k3compile.kernels.mx import fp4_table_lanes
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
     cpu = resolve()
-    lanes = [fp4_table_lanes(cpu, column_tile(t)) for t in (2 * i, d)]
+    if lookup == "vpermps" and not mx.fp4_permps(cpu):
+        pytest.skip("this CPU has no AVX-512F")
+    if lookup == "pshufb":
+        monkeypatch.setattr(mx, "fp4_permps", lambda target: False)
+    lanes = [mx.fp4_table_lanes(cpu, column_tile(t)) for t in (2 * i, d)]
     if not any(lanes):
-        pytest.skip("this CPU has no byte shuffle the kernel uses")
+        pytest.skip(f"{lookup}: no column tile of this case is looked up on this CPU")
     args = _moe_inputs(n, d, i, e, k, high=offset + e + 1, seed=50 + n)
     args[5] = args[5].clone()
     args[5][0, 0, 0] = 0xFF  # a NaN block in expert 0's first gate row
@@ -241,7 +249,7 @@ def test_the_cases_above_cover_both_kernel_paths():
         False, False, False, True, True]
     assert [grouped(n, 2, 4) for n in (1, 20)] == [False, True]
     assert [grouped(n, 2, 5) for n in (2, 20, 1, 18)] == [False, True, False, True]
-    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (3, 3, 5)]] == [False, True, True]
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (5, 3, 5)]] == [False, True, True]
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
