@@ -48,9 +48,9 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
                    tune: int = 0, dense: str = "auto", decode_library: bool = True) -> dict:
     """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
     `out`; returns the manifest. On a CPU target the artifact also holds decode.so, the decode step at batch 1 built
-    with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library"), unless `decode_library` is
-    False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`: how the dense
-    matrices are stored (`dense_target`)."""
+    with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library and tuning"), unless
+    `decode_library` is False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`:
+    how the dense matrices are stored (`dense_target`)."""
     import tempfile
 
     import onnx

@@ -69,9 +69,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                act_quant: str = "none", mx: bool = True, target=None):
     """The kernel for the sizes and attributes of one call; `mx`: MXFP4 experts, else float32 experts
     [E, 2I, D] / [E, D, I] (the two scale arguments then one-byte placeholders, never read); both in column tiles
-    (`expert_tiles`). `target` (a CPU
-    Target): where it can look E2M1 codes up in a register (kernels/mx.py: PSHUFB), decode's GEMVs do, a column tile
-    at a time; the result is the same bit for bit."""
+    (`expert_tiles`). `target` (a CPU Target): where it can look E2M1 codes up in a register (kernels/mx.py: vpermps,
+    else PSHUFB), the GEMVs and the grouped tiles do, a column tile at a time; the result is the same bit for bit."""
     from tvm import tirx
     from tvm.script import tirx as T
 
