@@ -328,17 +328,18 @@ def expert_weights(mod) -> list[str]:
     from tvm import relax
 
     main = mod["main"]
-    params = set(main.params[int(main.attrs["num_input"]):])
+    weights = main.params[int(main.attrs["num_input"]):]
+    names = dict(zip(weights, weight_names(mod)))  # the manifest's names: a repeated binding name is suffixed there
     call_tir = tvm.ir.Op.get("relax.call_tir")
     found: list[str] = []
 
     def visit(expr):
         if (isinstance(expr, relax.Call) and expr.op.same_as(call_tir)
                 and expr.args[0].name_hint.startswith("k3_latent_moe_dispatch")):
-            found.extend(a.name for a in expr.args[1].fields if isinstance(a, relax.Var) and a in params)
+            found.extend(names[a] for a in expr.args[1].fields if isinstance(a, relax.Var) and a in names)
 
     relax.analysis.post_order_visit(main, visit)
-    return _unique(found)
+    return found
 
 
 def _build_gpu(mod, raw, tgt, dump, step, executable: bool = True):

@@ -210,6 +210,26 @@ def test_artifact_holds_what_the_manifest_lists(tvm_artifact):
     assert read_manifest(out) == manifest and manifest["target"] == "llvm" and len(manifest["params"]) > 100
 
 
+def test_the_experts_are_stored_in_column_tiles_and_named_in_the_manifest(tiny_export, tvm_artifact):
+    """Every uint8 weight of the artifact is one of the model's packed MXFP4 expert arrays (codes or scales) in the
+    CPU kernel's column tiles (kernels/moe.py: expert_tiles, written here as its definition), and the manifest's
+    `expert_params` (bench's roofline) names exactly those, under the names the weights file gives them."""
+    from safetensors.numpy import load_file
+
+    manifest, out = tvm_artifact
+    stored = load_file(str(out / "weights.safetensors"))
+    packed = {}
+    for name, p in tiny_export[0].state_dict().items():
+        if p.dtype == torch.uint8 and p.dim() == 3:
+            e, rows, cols = p.shape
+            t = next(t for t in (64, 32, 16, 8, 4, 2, 1) if rows % t == 0)
+            tiles = p.numpy().reshape(e, rows // t, t, cols).transpose(0, 1, 3, 2)  # [E, rows/t, cols, t]
+            packed[np.ascontiguousarray(tiles).tobytes()] = name
+    experts = {n for n, w in stored.items() if w.dtype == np.uint8}
+    assert experts and all(stored[n].tobytes() in packed for n in experts)
+    assert sorted(manifest["expert_params"]) == sorted(experts)
+
+
 def test_dense_matrices_are_stored_as_the_model_holds_them_in_bf16(tiny_export, tvm_artifact):
     """A preset holds bf16 values (as K3 ships), so `auto` stores its matrices' bf16 bits: every uint16 weight of
     the artifact is one of the model's 2-D weights, re-laid in [N/64, K, 64] panels, with exactly the upper 16 bits
