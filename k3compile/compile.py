@@ -103,6 +103,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "dense_weights": tgt.dense_format.value,
             "dense_matrices": dense_matrices(mod),
             "expert_params": expert_weights(mod),
+            **({"host_gemm": host} if (host := host_gemm_record(mod)) else {}),
             **({"tuning": tuning} if tuning else {}),
             "compile_s": round(time.perf_counter() - t0, 3),
             "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
@@ -291,6 +292,18 @@ def dense_matrices(mod) -> dict[str, int]:
         for fmt in mod.attrs[PACKED].values():
             counts[str(fmt)] = counts.get(str(fmt), 0) + 1
     return counts
+
+
+def host_gemm_record(mod) -> dict | None:
+    """What a CPU build's kernels call on the host (targets/llvm.py, k3compile/host_gemm.py): the packed function,
+    the row count from which they call it and how many kernels do; None when none does."""
+    import tvm
+
+    from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ATTR, HOST_GEMM_ROWS
+
+    kernels = sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+                  and HOST_GEMM_ATTR in f.attrs)
+    return {"function": HOST_GEMM, "min_rows": HOST_GEMM_ROWS, "kernels": kernels} if kernels else None
 
 
 def dense_format(mod) -> str:

@@ -103,8 +103,11 @@ def load(path: Path, names: list[str] | None = None, weights: Path | None = None
     names, and with `weights` every named tensor of that file the compiled shape and dtype. Returns the module."""
     import tvm
 
+    from k3compile import host_gemm
+
     path = Path(path)
     check_elf(path)
+    host_gemm.register()  # what a CPU library calls for prefill rows (targets/llvm.py)
     try:
         module = tvm.runtime.load_module(str(path))
     except Exception as e:  # TVM's loader raises its own error types for a bad library

@@ -174,6 +174,7 @@ def pack_dense_weights(target):
     panel = target.dense_panel
     fmt = DenseFormat(target.dense_format)
     matmul = tvm.ir.Op.get("relax.matmul")
+    einsum = tvm.ir.Op.get("relax.einsum")
     relayout = {tvm.ir.Op.get(n) for n in ("relax.permute_dims", "relax.reshape")}
 
     @mutator
@@ -216,8 +217,41 @@ def pack_dense_weights(target):
                 return DenseFormat.MXFP8.value
             return DenseFormat.BF16.value if param.name in self.bf16 else DenseFormat.FP32.value
 
+        def _weight_only(self, expr) -> bool:
+            """Whether `expr` is computed from the weights alone (phase 3 moves such work to compile time)."""
+            if isinstance(expr, tvm.ir.expr.Constant) or (isinstance(expr, relax.Var) and expr in self.weights):
+                return True
+            if isinstance(expr, relax.TupleGetItem):
+                return self._weight_only(expr.tuple_value)
+            if isinstance(expr, relax.Tuple):
+                return all(self._weight_only(f) for f in expr.fields)
+            bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+            if isinstance(bound, (relax.TupleGetItem, relax.Tuple, tvm.ir.expr.Constant)):
+                return self._weight_only(bound)
+            return isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and all(
+                self._weight_only(a) for a in bound.args if isinstance(a, (relax.Var, relax.Tuple, relax.TupleGetItem)))
+
+        def _einsum(self, call):
+            """`einsum(x, W)` whose weight W does not hold the output's last index last (MLA's value projection,
+            "bthc,hvc->bthv", whose sum runs along both operands' last index: TVM's schedule leaves each output a
+            scalar dot product, 6 GFLOP/s) with W permuted to hold it last ("hcv"), a relayout of the weight alone,
+            so the CPU matmul rule vectorizes the output along it (targets/llvm.py)."""
+            lhs, out = str(call.attrs.subscripts).split("->")
+            parts = lhs.split(",")
+            if len(parts) != 2 or len(call.args[0].fields) != 2 or "." in lhs or not out:
+                return call
+            x, w = call.args[0].fields
+            j = out[-1]
+            if j not in parts[1] or parts[1][-1] == j or j in parts[0] or not self._weight_only(w):
+                return call
+            order = [i for i, c in enumerate(parts[1]) if c != j] + [parts[1].index(j)]
+            wt = self.builder_.emit(relax.op.permute_dims(w, order))
+            return relax.op.einsum((x, wt), f"{parts[0]},{''.join(parts[1][i] for i in order)}->{out}")
+
         def visit_call_(self, call):
             call = self.visit_expr_post_order(call)
+            if panel and call.op.same_as(einsum) and isinstance(call.args[0], relax.Tuple):
+                return self._einsum(call)
             if not (panel and call.op.same_as(matmul) and len(call.args) == 2):
                 return call
             x, w = call.args

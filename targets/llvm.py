@@ -24,6 +24,10 @@ VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
 PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
 MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a target imports no pass)
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
+TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each of 16 rows
+HOST_GEMM = "k3compile.host_gemm"  # k3compile/host_gemm.py registers it (a target imports no runtime module)
+HOST_GEMM_ATTR = "k3.host_gemm"  # marks a PrimFunc that calls it (compile.py counts them for the manifest)
+HOST_GEMM_ROWS = 64  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
 
 
 def _static(extent) -> int | None:
@@ -188,6 +192,97 @@ def _schedule_loops(sch, block) -> None:
         sch.decompose_reduction(block, sch.get_loops(block)[(1 if spatial else 0) + kept])
 
 
+def _transpose_axis(sch, block) -> int | None:
+    """m when `block` (spatial, one loop per iterator) writes along its innermost iterator but reads some operand
+    along iterator m instead (a transpose: KDA's convolution input to time-innermost and back); else None."""
+    import tvm
+
+    from_vars = tvm.tirx.analysis.undefined_vars
+    stmt = sch.get(block)
+    ivs = [iv.var for iv in stmt.iter_vars]
+    if len(sch.get_loops(block)) != len(ivs) or len(ivs) < 2 or _is_reduction(sch, block) or len(stmt.writes) != 1:
+        return None
+    last = from_vars(stmt.writes[0].region[-1].min, []) if stmt.writes[0].region else []
+    if len(last) != 1 or not last[0].same_as(ivs[-1]):
+        return None
+    for read in stmt.reads:
+        used = from_vars(read.region[-1].min, []) if read.region else []
+        if len(used) == 1:
+            m = next((i for i, v in enumerate(ivs[:-1]) if v.same_as(used[0])), None)
+            if m is not None:
+                return m
+    return None
+
+
+def _schedule_transpose(sch, block, m: int) -> None:
+    """Tiles of TRANSPOSE_TILE x TRANSPOSE_TILE over iterator m and the innermost one, so that the lines a tile reads
+    and the lines it writes are all used while in L1 (loops: one element at a time along the write, the reads a
+    page apart: 1-2 GB/s); the tiles' outer loops fused and run in parallel, the innermost vectorized when static."""
+    loops = sch.get_loops(block)
+    n = len(loops) - 1
+    inner_static = _static(sch.get(loops[n]).extent)
+    mo, mi = sch.split(loops[m], [None, TRANSPOSE_TILE])
+    no, ni = sch.split(loops[n], [None, TRANSPOSE_TILE])
+    between = list(loops[m + 1:n])
+    sch.reorder(mo, *between, no, mi, ni)
+    outer = [*loops[:m], mo, *between]
+    sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    if inner_static is not None and inner_static % TRANSPOSE_TILE == 0:
+        sch.vectorize(ni)
+
+
+def _host_gemm_operands(sch, block):
+    """(x, wp, y) when `block` is the plain packed dense matmul y[r..., j] = sum_k x[r..., k] * wp[j // P, k, j % P]
+    over rows of which some are symbolic (the host GEMM reads the buffers as they are); else None."""
+    import tvm
+
+    stmt = sch.get(block)
+    if stmt.name_hint != "k3_packed_matmul" or len(stmt.reads) != 2 or len(stmt.writes) != 1:
+        return None
+    ivs = [iv.var for iv in stmt.iter_vars]
+    rows, j, k = ivs[:-2], ivs[-2], ivs[-1]
+    (x, wp), y = stmt.reads, stmt.writes[0]
+    if x.source.dtype != "float32" or wp.source.dtype not in ("float32", "uint16") or len(wp.source.shape) != 3:
+        return None
+    if all(isinstance(d, tvm.tirx.IntImm) for d in y.source.shape):
+        return None  # static rows: a decode library's step, which the kernel serves
+    analyzer = tvm.sym.Analyzer()
+
+    def at(region, index) -> bool:
+        return len(region.region) == len(index) and all(
+            analyzer.can_prove_equal(r.min, i) and analyzer.can_prove_equal(r.extent, 1)
+            for r, i in zip(region.region, index))
+
+    panel = wp.source.shape[2]
+    if not (at(x, [*rows, k]) and at(y, [*rows, j]) and at(wp, [j // panel, k, j % panel])):
+        return None
+    return x.source, wp.source, y.source
+
+
+def _call_host_gemm(func, operands, outer):
+    """`func` with the top-level loop nest `outer` (the scheduled matmul) run only below HOST_GEMM_ROWS rows, the
+    host GEMM called from there on."""
+    import functools
+
+    import tvm
+
+    x, wp, y = operands
+    root = func.body
+    block = root.block
+    seq = list(block.body.seq) if isinstance(block.body, tvm.tirx.SeqStmt) else [block.body]
+    at = [i for i, s in enumerate(seq) if s.same_as(outer)]
+    if len(at) != 1:
+        return func
+    rows = functools.reduce(lambda a, b: a * b, y.shape[:-1])
+    seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, tvm.tirx.Evaluate(
+        tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), seq[at[0]])
+    body = tvm.tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
+    block = tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                             block.alloc_buffers, block.match_buffers, block.annotations)
+    return func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block)).with_attr(
+        HOST_GEMM_ATTR, True)
+
+
 def schedule_func(func):
     """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled."""
     import tvm
@@ -201,6 +296,7 @@ def schedule_func(func):
         return func
     _inline_intermediates(sch, root)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) if "k3_packed_matmul" in names else None
     for name in names:
         if name == MX_PARTIAL:
             continue  # scheduled inside the matmul it feeds (below)
@@ -212,8 +308,22 @@ def schedule_func(func):
                 _schedule_matmul(sch, block, layout)
                 if MX_PARTIAL in names and name == "k3_packed_matmul":
                     _schedule_mx_partial(sch, sch.get_sblock(f"{name}_update"), sch.get_sblock(MX_PARTIAL))
+            elif (m := _transpose_axis(sch, block)) is not None:
+                try:
+                    _schedule_transpose(sch, block, m)
+                except Exception:  # noqa: BLE001 - not tileable: the loops rule, as for any other block
+                    sch = tvm.s_tir.Schedule(state)
+                    _schedule_loops(sch, sch.get_sblock(name))
             else:
                 _schedule_loops(sch, block)
         except Exception:  # noqa: BLE001 - a rule that does not apply: this block keeps the schedule it had
             sch = tvm.s_tir.Schedule(state)
-    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
+    func = sch.mod["main"]
+    if host is not None:
+        try:
+            matmul = sch.get_sblock("k3_packed_matmul_update")  # the reduction once decomposed
+        except Exception:  # noqa: BLE001 - the matmul rule did not apply: the block is as legalized
+            matmul = sch.get_sblock("k3_packed_matmul")
+        func = _call_host_gemm(func, host, sch.get(sch.get_loops(matmul)[0]))
+    return func.with_attr("tirx.is_scheduled", True)
+

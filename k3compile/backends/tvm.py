@@ -91,6 +91,7 @@ class TvmBackend:
         import tvm
         from tvm import relax
 
+        from k3compile import host_gemm
         from k3compile.manifest import MANIFEST
         from k3compile.ops import register_tvm_references
         from k3compile.targets import resolve
@@ -98,6 +99,7 @@ class TvmBackend:
         folder = Path(folder)
         target = resolve(target)  # a Target, or its name
         register_tvm_references()
+        host_gemm.register()  # the packed function a CPU kernel calls for prefill rows (k3compile/host_gemm.py)
         self.device = tvm.cpu()
         self._tensor = tvm.runtime.tensor
         t0 = time.perf_counter()

@@ -262,6 +262,35 @@ def test_artifact_equals_eager(tiny_export, tvm_artifact):
     assert generate(backend, PROMPTS, 16).tokens == generate(EagerBackend(model), PROMPTS, 16).tokens
 
 
+def test_prefill_rows_go_through_the_host_gemm_and_equal_eager(tiny_export, tvm_artifact):
+    """From HOST_GEMM_ROWS rows (batch x tokens) on, the artifact's dense matmuls call the host GEMM
+    (k3compile/host_gemm.py), loaded from the written folder; a left-padded batch of two prompts past it (and the
+    decode steps after, below it) equals eager within ATOL, and the manifest says which kernels call it."""
+    import tvm_ffi
+    from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS
+
+    from k3compile import host_gemm
+
+    manifest, out = tvm_artifact
+    assert manifest["host_gemm"]["function"] == HOST_GEMM and manifest["host_gemm"]["kernels"] >= 5
+    backend = TvmBackend(out)
+    rows = []
+
+    def counted(x, wp, y):
+        rows.append(int(np.prod([int(d) for d in x.shape[:-1]])))
+        host_gemm.host_gemm(x, wp, y)
+
+    tvm_ffi.register_global_func(HOST_GEMM, counted, override=True)
+    try:
+        long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
+        got = compare(EagerBackend(tiny_export[0], Forms.exported()), backend, decode_steps=2,
+                      prompts=[long, long[:9]])
+    finally:
+        tvm_ffi.register_global_func(HOST_GEMM, host_gemm.host_gemm, override=True)
+    assert rows and all(r >= HOST_GEMM_ROWS for r in rows)
+    assert all(r["max_abs"] <= ATOL for r in got), [r for r in got if not r["max_abs"] <= ATOL][:3]
+
+
 @pytest.mark.parametrize("damage,msg", [
     (lambda d: (d / "weights.safetensors").write_bytes((d / "weights.safetensors").read_bytes()[:-1] + b"\x00"),
      "sha256 differs"),

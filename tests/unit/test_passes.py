@@ -168,15 +168,20 @@ def _conv_funcs():
 @pytest.mark.parametrize("b,t", [(1, 1), (8, 1), (2, 37)])
 def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
     """The loop rule keeps a symbolic innermost loop out of the fused parallel one (no index division by a runtime
-    extent per element): the loop nest says so, and the numbers are numpy's."""
-    from k3compile.targets.llvm import schedule_func
+    extent per element), and the transpose rule tiles the join (it reads x along c, writes along t): the loop nests
+    say so, and the numbers are numpy's."""
+    from k3compile.targets.llvm import TRANSPOSE_TILE, schedule_func
 
     f_cat, f_conv = (schedule_func(f) for f in _conv_funcs())
-    for f, name in ((f_cat, "cat"), (f_conv, "conv_update")):
+    for f, name, outer_extent in ((f_cat, "cat", 256 // TRANSPOSE_TILE), (f_conv, "conv_update", 256)):
         sch = tvm.s_tir.Schedule(f)
-        outer, inner = (sch.get(lp) for lp in sch.get_loops(sch.get_sblock(name))[:2])
-        assert outer.kind == tvm.tirx.ForKind.PARALLEL and isinstance(outer.extent, tvm.tirx.Mul)  # b * 256
+        loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock(name))]
+        outer, inner = loops[:2]
+        assert outer.kind == tvm.tirx.ForKind.PARALLEL and isinstance(outer.extent, tvm.tirx.Mul)  # b * ...
+        assert int(outer.extent.b) == outer_extent
         assert inner.kind == tvm.tirx.ForKind.SERIAL and not isinstance(inner.extent, tvm.tirx.IntImm)  # t (+ 3)
+        if name == "cat":  # a tile of 16 channels x 16 steps inside
+            assert [int(lp.extent) for lp in loops[2:]] == [TRANSPOSE_TILE, TRANSPOSE_TILE]
     rng = np.random.default_rng(b * 100 + t)
     x = rng.standard_normal((b, t, 256), dtype=np.float32)
     state = rng.standard_normal((b, 256, 3), dtype=np.float32)
@@ -190,3 +195,57 @@ def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
     lib_v["main"](cat, tvm.runtime.tensor(w), y)
     want = sum(want_cat[:, :, r:r + t].astype(np.float64) * w[None, :, r, None] for r in range(4))
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)  # four fp32 products summed
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (2, 37), (1, 64)])
+def test_the_transpose_rule_tiles_and_keeps_the_numbers(b, t):
+    """y[b, t, c] = x[b, c, t] (KDA's convolution output back to channels-last): tiles of 16 x 16, the parallel loop
+    over batch x time tiles, the channels (static) vectorized; a copy, so exact."""
+    from k3compile.targets.llvm import TRANSPOSE_TILE, schedule_func
+    from tvm import te
+
+    bv, tv = (tvm.tirx.Var(n, "int64") for n in ("b", "t"))
+    x = te.placeholder((bv, 96, tv), name="x")
+    y = te.compute((bv, tv, 96), lambda i, j, k: x[i, k, j], name="y")
+    f = schedule_func(te.create_prim_func([x, y]))
+    sch = tvm.s_tir.Schedule(f)
+    loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("y"))]
+    assert loops[0].kind == tvm.tirx.ForKind.PARALLEL and loops[-1].kind == tvm.tirx.ForKind.VECTORIZED
+    assert [int(lp.extent) for lp in loops[2:]] == [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    xs = np.random.default_rng(t).standard_normal((b, 96, t), dtype=np.float32)
+    out = tvm.runtime.empty((b, t, 96), "float32")
+    tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())["main"](tvm.runtime.tensor(xs), out)
+    np.testing.assert_array_equal(out.numpy(), xs.transpose(0, 2, 1))
+
+
+def _einsum_module(subscripts: str, x_shape, w_shape):
+    """main(x, w) = einsum(x, w[:, 1:]) (a slice of the weight, as MLA's value half of kv_b is) + 1."""
+    b, s = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType([b, s, *x_shape], "float32"))
+    w = relax.Var("w", relax.TensorType(list(w_shape), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w], attrs={"num_input": 1}):
+        with bb.dataflow():
+            half = bb.emit(relax.op.split(w, [1], axis=1))
+            y = bb.emit(relax.op.einsum((x, bb.emit(relax.TupleGetItem(half, 1))), subscripts))
+            z = bb.emit_output(relax.op.add(y, relax.const(1.0, "float32")))
+        bb.emit_func_output(z)
+    return bb.get()
+
+
+@pytest.mark.parametrize("subscripts,x_shape,w_shape,moved", [
+    ("bthc,hvc->bthv", (4, 32), (4, 17, 32), "hcv"),  # MLA's value projection: v moved last
+    ("bthn,hnc->bthc", (4, 16), (4, 17, 48), None),   # the query absorption: c already last
+])
+def test_an_einsum_by_a_weight_holds_the_output_index_last_and_keeps_the_numbers(subscripts, x_shape, w_shape,
+                                                                                   moved):
+    mod = _einsum_module(subscripts, x_shape, w_shape)
+    packed = str(run_phases(mod, TARGET, upto="pack-dense-weights")["main"])
+    lhs = subscripts.split("->")[0].split(",")
+    assert f'subscripts="{lhs[0]},{moved or lhs[1]}->' in packed
+    assert ("R.permute_dims" in packed) == bool(moved)
+    rng = np.random.default_rng(len(x_shape))
+    x = rng.standard_normal((2, 3, *x_shape), dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    want = np.einsum(subscripts, x.astype(np.float64), w[:, 1:].astype(np.float64)) + 1
+    np.testing.assert_allclose(_run(run_phases(mod, TARGET), x, w), want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,111 @@
+"""The host GEMM (k3compile/host_gemm.py) against numpy in float64 over bf16 values that ml_dtypes widens, and the
+CPU schedule's branch to it (targets/llvm.py): a packed dense matmul over symbolic rows calls it from
+HOST_GEMM_ROWS rows on and runs its own loops below; a static one never calls it."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hardening import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+tvm = pytest.importorskip("tvm")
+
+from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS, schedule_func  # noqa: E402
+
+from k3compile import host_gemm  # noqa: E402
+
+
+def _panels(w: np.ndarray, panel: int) -> np.ndarray:
+    """[K, N] -> [N/P, K, P], the layout passes/pack_dense_weights.py stores."""
+    k, n = w.shape
+    return np.ascontiguousarray(w.reshape(k, n // panel, panel).transpose(1, 0, 2))
+
+
+def _operands(rng, lead, k, n, panel, stored):
+    """(x, the stored panels, the weights in float64): bf16 values, as a preset's dense matrices hold."""
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(ml_dtypes.bfloat16)
+    bits = w.view(np.uint16) if stored == "uint16" else w.astype(np.float32)
+    return x, _panels(bits, panel), w.astype(np.float64)
+
+
+def _check(got, x, w64):
+    """Within the fp32 dot-product bound: |error| <= K * 2^-23 * sum_k |x_k w_kn| (any summation order)."""
+    x64 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    want = x64 @ w64
+    bound = x.shape[-1] * 2.0 ** -23 * (np.abs(x64) @ np.abs(w64))
+    assert np.all(np.abs(got.reshape(want.shape) - want) <= bound)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(lead=st.sampled_from([(1,), (7,), (2, 5), (3, 1, 4)]), k=st.sampled_from([8, 32, 96]),
+       groups=st.integers(1, 5), panel=st.sampled_from([16, 64]), stored=st.sampled_from(["uint16", "float32"]),
+       threads=st.integers(1, 3), chunk=st.sampled_from([1, 1 << 12, 8 << 20]), seed=st.integers(0, 2 ** 16))
+def test_host_gemm_equals_the_float64_product(lead, k, groups, panel, stored, threads, chunk, seed):
+    """Any row shape, panel count and width, both stored dtypes, 1-3 threads (capped at the cores) and chunks from
+    one panel to all of them."""
+    x, wp, w64 = _operands(np.random.default_rng(seed), lead, k, groups * panel, panel, stored)
+    y = tvm.runtime.empty((*lead, groups * panel), "float32")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TVM_NUM_THREADS", str(threads))
+        mp.setattr(host_gemm, "CHUNK_BYTES", chunk)
+        host_gemm.host_gemm(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
+    _check(y.numpy(), x, w64)
+
+
+@pytest.fixture
+def counted():
+    """HOST_GEMM registered as a wrapper that counts its calls (the real one back afterwards)."""
+    import tvm_ffi
+
+    calls = []
+
+    def wrapper(x, wp, y):
+        calls.append(tuple(int(d) for d in x.shape))
+        host_gemm.host_gemm(x, wp, y)
+
+    tvm_ffi.register_global_func(HOST_GEMM, wrapper, override=True)
+    yield calls
+    tvm_ffi.register_global_func(HOST_GEMM, host_gemm.host_gemm, override=True)
+
+
+def _matmul(rows, k, n, stored):
+    """The packed dense matmul as phase 2 emits it, over `rows` (an int, or None: symbolic), scheduled for the CPU
+    and built."""
+    from k3compile.passes.pack_dense_weights import packed_matmul_te
+    from tvm import te
+
+    m = te.var("m", "int64") if rows is None else rows
+    x = te.placeholder((m, k), "float32", name="x")
+    wp = te.placeholder((n // 64, k, 64), stored, name="wp")
+    y = packed_matmul_te(x, wp, 64)
+    func = schedule_func(te.create_prim_func([x, wp, y]))
+    return func, tvm.compile(tvm.IRModule({"main": func}), target="llvm")["main"]
+
+
+@pytest.mark.parametrize("stored", ["uint16", "float32"])
+def test_the_kernel_calls_the_host_gemm_from_host_gemm_rows_on(counted, stored):
+    k, n = 96, 128
+    func, kernel = _matmul(None, k, n, stored)
+    assert func.attrs["k3.host_gemm"]
+    rng = np.random.default_rng(0)
+    for rows in (1, HOST_GEMM_ROWS - 1, HOST_GEMM_ROWS, HOST_GEMM_ROWS + 13):
+        x, wp, w64 = _operands(rng, (rows,), k, n, 64, stored)
+        y = tvm.runtime.empty((rows, n), "float32")
+        kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
+        _check(y.numpy(), x, w64)
+    assert counted == [(HOST_GEMM_ROWS, k), (HOST_GEMM_ROWS + 13, k)]
+
+
+def test_a_static_matmul_never_calls_the_host_gemm(counted):
+    """A decode library's step has static rows: its kernel is its own loops, whatever the count."""
+    func, kernel = _matmul(HOST_GEMM_ROWS, 32, 64, "uint16")
+    assert "k3.host_gemm" not in (func.attrs or {})
+    x, wp, w64 = _operands(np.random.default_rng(1), (HOST_GEMM_ROWS,), 32, 64, 64, "uint16")
+    y = tvm.runtime.empty((HOST_GEMM_ROWS, 64), "float32")
+    kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
+    _check(y.numpy(), x, w64)
+    assert counted == []
