@@ -8,15 +8,16 @@ dense matmul over symbolic rows a branch: from HOST_GEMM_ROWS rows on, the kerne
 before.
 
 The callback gets the matmul's three buffers as the kernel holds them: x [..., K] fp32, the panels wp [N/P, K, P]
-(fp32, or bf16 patterns as uint16) and y [..., N] fp32. The panels are split between the process's threads (TVM's
-count, `k3compile.threads`); each thread widens a chunk of its panels at a time into an fp32 [K, cols] scratch
-(the 16-bit shift the kernel does: the same values) and multiplies it by all of x, y = x @ W in fp32 as the
-kernel computes it, the sums in the BLAS's order (equal within fp32 rounding). A chunk is at most CHUNK_BYTES, so
-the full K3's widest matrices never widen whole.
+(fp32, or bf16 patterns as uint16) and y [..., N] fp32. The panels are split between the threads of a pool of the
+process's thread count (TVM's, `k3compile.threads`); each widens a chunk of its panels at a time into an fp32
+[K, cols] scratch (the 16-bit shift the kernel does: the same values) and multiplies all of x by it, y = x @ W in
+fp32 as the kernel computes it, the sums in the BLAS's order (equal within fp32 rounding). A chunk is at most
+CHUNK_BYTES, so the full K3's widest matrices never widen whole. The calling thread only waits.
 
-The BLAS runs one thread per caller while the callback runs (threadpoolctl): OpenBLAS's own workers spin for a
-while after each call, and beside TVM's pool on the same cores they halved the kernels that ran next (k3-small
-prefill T = 2048: the MoE kernel 1.07 -> 1.52 s, the other kernels 0.94 -> 1.85 s; measured).
+Each pool thread runs the BLAS on one thread (threadpoolctl, set once as the thread starts; OpenBLAS keeps the
+count per thread, so the caller's own numpy keeps its setting): OpenBLAS's own workers spin for a while after each
+call, and beside TVM's pool on the same cores they halved the kernels that ran next (k3-small prefill T = 2048: the
+MoE kernel 1.07 -> 1.52 s, the other kernels 0.94 -> 1.85 s; measured).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 HOST_GEMM = "k3compile.host_gemm"  # the packed function's name (targets/llvm.py: HOST_GEMM names it too)
 CHUNK_BYTES = 8 << 20  # fp32 bytes of weights one thread widens at once
 _local = threading.local()
-_state: dict = {}  # "pool": (threads, executor), "blas": threadpoolctl's controller of numpy's BLAS
+_state: dict = {}  # "pool": (its thread count, the ThreadPoolExecutor)
 
 
 class _Array:
