@@ -108,7 +108,9 @@ def host_gemm(x, wp, y) -> None:
 
 
 def register() -> None:
-    """Register `host_gemm` as the packed function HOST_GEMM (idempotent)."""
+    """Register `host_gemm` as the packed function HOST_GEMM (idempotent, and never replaced: a compiled kernel keeps
+    the handle it first looked up, so a registration swapped later would leave it dangling; a test that did so
+    crashed its process at exit)."""
     import tvm_ffi
 
     if tvm_ffi.get_global_func(HOST_GEMM, allow_missing=True) is None:
