@@ -72,12 +72,14 @@ def _columns(a: np.ndarray, w: np.ndarray, out: np.ndarray, g0: int, g1: int) ->
 
 
 def _threads() -> int:
-    from k3compile.threads import available_cores
+    from k3compile.threads import available_cores, capped
 
-    return max(1, min(int(os.environ.get("TVM_NUM_THREADS") or available_cores()), available_cores()))
+    return capped(int(os.environ.get("TVM_NUM_THREADS") or available_cores()))
 
 
 def _pool(threads: int):
+    """The pool of `threads` threads (made again only when the process's count changes: its threads keep their
+    scratch)."""
     held = _state.get("pool")
     if held is None or held[0] != threads:
         if held is not None:
@@ -100,10 +102,11 @@ def host_gemm(x, wp, y) -> None:
     groups, k_dim, panel = w.shape
     a = _view(x).reshape(-1, k_dim)
     out = _view(y).reshape(a.shape[0], groups * panel)
-    threads = min(_threads(), groups)
-    bounds = [groups * t // threads for t in range(threads + 1)]
+    threads = _threads()
     pool = _pool(threads)
-    for f in [pool.submit(_columns, a, w, out, bounds[t], bounds[t + 1]) for t in range(threads)]:
+    parts = min(threads, groups)  # a matrix of fewer panels than threads: one share per panel
+    bounds = [groups * t // parts for t in range(parts + 1)]
+    for f in [pool.submit(_columns, a, w, out, bounds[t], bounds[t + 1]) for t in range(parts)]:
         f.result()
 
 
