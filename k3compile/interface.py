@@ -59,23 +59,20 @@ def state_names(cfg: K3Config, layer: int) -> tuple[str, str]:
     return MLA_STATE_NAMES if cfg.is_mla(layer) else KDA_STATE_NAMES
 
 
+def state_shapes(cfg: K3Config, batch: int, past: int = 0) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The shapes of each layer's two decode-state tensors for `batch` rows after `past` tokens (init_past's, with the
+    MLA caches `past` rows long): what check_step compares a state with, computed without making one."""
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    mla = ((batch, past, cfg.kv_lora_rank), (batch, past, cfg.qk_rope_head_dim))
+    kda = ((batch, 3 * hk, cfg.conv_kernel_size - 1), (batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim))
+    return [mla if cfg.is_mla(i) else kda for i in range(cfg.num_hidden_layers)]
+
+
 def init_past(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32, device=None) -> Past:
     """Empty decode state: zero KDA states (the recurrent state always fp32) and zero-length MLA caches."""
-    past: Past = []
-    hk = cfg.kda_num_heads * cfg.kda_head_dim
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_mla(i):
-            past.append((
-                torch.zeros(batch, 0, cfg.kv_lora_rank, dtype=dtype, device=device),
-                torch.zeros(batch, 0, cfg.qk_rope_head_dim, dtype=dtype, device=device),
-            ))
-        else:
-            past.append((
-                torch.zeros(batch, 3 * hk, cfg.conv_kernel_size - 1, dtype=dtype, device=device),
-                torch.zeros(batch, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, dtype=torch.float32,
-                            device=device),
-            ))
-    return past
+    return [(torch.zeros(a, dtype=dtype, device=device),
+             torch.zeros(b, dtype=dtype if cfg.is_mla(i) else torch.float32, device=device))
+            for i, (a, b) in enumerate(state_shapes(cfg, batch))]
 
 
 def past_length(cfg: K3Config, past: Past) -> int:
@@ -109,7 +106,7 @@ def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
     b, t = ids.shape
     if b == 0 or t == 0:
         raise StepInputError(f"input_ids [batch, seq] must hold at least one id, got {list(ids.shape)}")
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = (int(x) for x in torch.aminmax(ids))
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise StepInputError(f"token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
@@ -118,16 +115,23 @@ def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
     p = past_length(cfg, past)
     if mask.dim() != 2 or tuple(mask.shape) != (b, p + t):
         raise StepInputError(f"attention_mask must be [batch, past + seq] = [{b}, {p + t}], got {list(mask.shape)}")
-    if not bool(((mask == 0) | (mask == 1)).all()):
+    if not _zeros_and_ones(mask):
         raise StepInputError("attention_mask must hold only 0 (padding) and 1 (token)")
-    want = init_past(cfg, b, device="meta")
-    for i, (got, expect) in enumerate(zip(past, want)):
-        for name, g, e in zip(state_names(cfg, i), got, expect):
-            shape = list(e.shape)
-            if cfg.is_mla(i):
-                shape[1] = p
-            if list(g.shape) != shape:
-                raise StepInputError(f"past.{i}.{name} is {list(g.shape)}, expected {shape}")
+    for i, (got, want) in enumerate(zip(past, state_shapes(cfg, b, p))):
+        for name, g, shape in zip(state_names(cfg, i), got, want):
+            if tuple(g.shape) != shape:
+                raise StepInputError(f"past.{i}.{name} is {list(g.shape)}, expected {list(shape)}")
+
+
+def _zeros_and_ones(mask: torch.Tensor) -> bool:
+    """Whether `mask` holds only 0 and 1: for integers its least and greatest value say so (one pass; a decode
+    step's checks are on its critical path), for any other dtype every value is compared."""
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return True
+    if not (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        lo, hi = torch.aminmax(mask)
+        return int(lo) >= 0 and int(hi) <= 1
+    return bool(((mask == 0) | (mask == 1)).all())
 
 
 def numpy_inputs(input_ids, attention_mask, past: Past) -> list[np.ndarray]:

@@ -92,6 +92,37 @@ def test_a_branch_or_a_foreign_state_is_copied_never_overwritten(tiny_export, tv
     _same(state, state_f)
 
 
+def test_a_returned_state_goes_back_uncopied_and_edits_to_it_count(tvm_artifact, monkeypatch):
+    """The KDA states a step returned go back to the next step as the TVM tensors they view (only the ids and the
+    mask are converted); a returned state edited in place (a server clearing a row) is fed as edited, and its
+    clone (not returned by the backend) through a copy: all three equal the functional path."""
+    inplace, functional = _pair(tvm_artifact[1])
+    cfg = inplace.config
+    kda = [i for i in range(cfg.num_hidden_layers) if not cfg.is_mla(i)]
+    ids, mask = left_pad(PROMPTS, 0)
+    _, start = inplace.step(ids, mask, inplace.init_past(3))
+    mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=-1)
+    step_ids = torch.tensor([[7], [8], [9]])
+    converted = []
+    real_input = inplace._input
+    monkeypatch.setattr(inplace, "_input", lambda x: converted.append(x.shape) or real_input(x))
+    got, state = inplace.step(step_ids, mask, start)
+    assert len(converted) == 2  # the ids and the mask; no state copied
+    want, state_f = functional.step(step_ids, mask, start)
+    _same(got, want)
+    _same(state, state_f)
+    start[kda[0]][1][1].mul_(0.5)  # edited in place: row 1's recurrent state of the first KDA layer
+    got, state = inplace.step(step_ids, mask, start)
+    want, state_f = functional.step(step_ids, mask, start)
+    _same(got, want)
+    _same(state, state_f)
+    clone = [tuple(t.clone() for t in pair) for pair in start]
+    converted.clear()
+    got, _ = inplace.step(step_ids, mask, clone)
+    assert len(converted) == 2 + 2 * len(kda)  # not the backend's: every KDA state converted
+    _same(got, want)
+
+
 def test_last_position_logits_equal_the_full_ones_and_generate_uses_them(tvm_artifact):
     """`step_last` (main_inplace_last: the LM head on the last position only) gives the last row of `step`'s logits,
     bit for bit (the same row-wise kernel), at prefill and decode; generate, which runs it, gives main's tokens."""
