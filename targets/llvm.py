@@ -184,7 +184,10 @@ def _schedule_loops(sch, block) -> None:
         spatial, kept = spatial[:-1], 1
     if spatial:  # one loop over the spatial iterations: LLVM takes seconds over a nest of symbolic loops
         outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-        if work >= PARALLEL_MIN or symbolic and work >= 256:
+        outer_symbolic = any(e is None for e in extents[:len(extents) - kept])
+        if work >= PARALLEL_MIN or symbolic and work >= 256 or kept and outer_symbolic:
+            # kept and outer_symbolic: rows of runtime count (batch, tokens) over a runtime length each, MLA's mask
+            # over [B, H, T, S] in a prefill: no bound on the work, one wake-up of the pool against T · S elements
             sch.parallel(outer)
     if inner is not None:
         sch.vectorize(inner)

@@ -129,10 +129,23 @@ def scores_kernel(heads: int, width: int):
     return scores
 
 
+def all_zero(p, b, h0, t, s, heads: int):
+    """Whether the weights p[b, h0 + r, t, s] of the `heads` heads r of a tile are all exactly zero."""
+    from tvm import tirx
+
+    cond = p[b, h0, t, s] == tirx.const(0, "float32")
+    for r in range(1, heads):
+        cond = tirx.And(cond, p[b, h0 + r, t, s] == tirx.const(0, "float32"))
+    return cond
+
+
 def pv_kernel(heads: int, width: int):
     """out[b, t, h, c] = sum_{s < S} p[b, h, t, s] · k[b, s, c] (S the scalar argument; k of capacity C >= S), the
     sum in position order. A task holds R heads × V vectors of c in registers; each position loads V vectors of k
-    and R weights."""
+    and R weights. The sum stops after the last position where one of the R weights is not zero: a softmax over a
+    causal mask gives exact zeros to every later position (e^(min − max) underflows), so a prefill's token t sums
+    t + 1 positions, not S, and the result is the same bits (what is skipped adds +0 · k = +0 to the sum; the cache
+    rows are finite). A fully padded row's weights are uniform, none zero: it sums every position, as before."""
     from tvm.script import tirx as T
 
     r_tile, lanes = head_tile(heads), lanes_of(width)
@@ -154,11 +167,15 @@ def pv_kernel(heads: int, width: int):
             t = T.meta_var(task // (groups * chunks) % Tn)
             h0 = T.meta_var(task // chunks % groups * r_tile)
             c0 = T.meta_var(task % chunks * v_tile * lanes)
+            end = T.alloc_buffer((1,), "int64", scope="local")
             for r in T.unroll(r_tile):
                 for j in T.unroll(v_tile):
                     for v in T.vectorized(lanes):
                         acc[r, j, v] = T.float32(0)
-            for s in range(S):
+            end[0] = S  # past the last position any of the R heads weighs: a causal row's zeros are not summed
+            while T.if_then_else(end[0] > 0, all_zero(P, b, h0, t, end[0] - 1, r_tile), False):  # lazy: no P[-1]
+                end[0] = end[0] - 1
+            for s in range(end[0]):
                 for r in T.unroll(r_tile):
                     for j in T.unroll(v_tile):
                         for v in T.vectorized(lanes):

@@ -60,6 +60,34 @@ def test_pv_kernel_equals_einsum(b, t, s, cap, heads, width):
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-6 * s)
 
 
+@pytest.mark.parametrize("heads", [8, 3])
+def test_pv_kernel_stops_after_the_last_weight_and_keeps_uniform_rows(heads):
+    """Causal weights (row t weighs positions <= t; the rest exactly 0, as a softmax under the mask gives them) sum
+    only their positions: the cache rows past them hold NaN, which a product with 0 would carry. A zero weight
+    before the last one (a padded key) is summed as it is; a fully padded row, uniform, sums every position; a row
+    of zeros gives zeros. Equal to numpy in float64 within fp32 rounding."""
+    from k3compile.kernels.attention import pv_kernel
+
+    t, s, width = 6, 9, 32
+    rng = np.random.default_rng(7)
+    p = rng.random((1, heads, t, s), dtype=np.float32)
+    for row in range(t):
+        p[:, :, row, s - t + row + 1:] = 0  # causal: the new token `row` sits at position s - t + row
+    p[:, :, 2, 1] = 0  # a padded key inside the span
+    p[:, :, 4] = 1 / s  # a fully padded query row: uniform
+    p[:, :, 5] = 0
+    k = rng.standard_normal((1, s, width), dtype=np.float32)
+    k[:, s - 1] = np.nan  # weighed only by the uniform row
+    out = tvm.runtime.empty((1, t, heads, width), "float32")
+    _compile(pv_kernel(heads, width))(tvm.runtime.tensor(p), tvm.runtime.tensor(k), s, out)
+    got = out.numpy()
+    assert np.isnan(got[:, 4]).all() and np.isfinite(np.delete(got, 4, axis=1)).all()
+    kept = np.nan_to_num(k.astype(np.float64), nan=0.0)
+    want = np.einsum("bhts,bsc->bthc", p.astype(np.float64), kept)
+    np.testing.assert_allclose(np.delete(got, 4, axis=1), np.delete(want, 4, axis=1), rtol=0, atol=1e-6 * s)
+    assert (got[:, 5] == 0).all()
+
+
 def test_write_rows_kernel_writes_only_its_rows_and_refuses_an_overflow():
     from k3compile.kernels.attention import write_rows_kernel
 

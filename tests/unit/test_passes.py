@@ -197,6 +197,38 @@ def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)  # four fp32 products summed
 
 
+def test_a_runtime_count_of_rows_over_a_runtime_length_runs_in_parallel():
+    """MLA's mask, where(not allowed [B, 1, T, S], fill, (s1 + s2) · scale) over [B, H, T, S] with only H static: the
+    rows (B · H · T, a runtime count) go to the pool however few heads there are (it ran on one core: 158 -> 77 ms
+    of a k3-small prefill at T = 2048), S stays a serial loop; the same block with its rows static (decode.so's
+    shapes, B = T = 1) stays serial. The numbers are numpy's."""
+    from k3compile.targets.llvm import schedule_func
+    from tvm import te
+
+    def mask_func(b, t):
+        s = tvm.tirx.Var("s", "int64")
+        s1, s2 = (te.placeholder((b, 2, t, s), name=n) for n in ("s1", "s2"))
+        masked = te.placeholder((b, 1, t, s), dtype="bool", name="masked")
+        out = te.compute((b, 2, t, s), lambda i, h, j, k: tvm.tirx.Select(
+            masked[i, 0, j, k], tvm.tirx.const(-3e38, "float32"), (s1[i, h, j, k] + s2[i, h, j, k]) * 0.5),
+            name="where")
+        return schedule_func(te.create_prim_func([s1, s2, masked, out]))
+
+    b, t = (tvm.tirx.Var(n, "int64") for n in ("b", "t"))
+    for f, kind in ((mask_func(b, t), tvm.tirx.ForKind.PARALLEL), (mask_func(1, 1), tvm.tirx.ForKind.SERIAL)):
+        sch = tvm.s_tir.Schedule(f)
+        outer, inner = (sch.get(lp) for lp in sch.get_loops(sch.get_sblock("where")))
+        assert outer.kind == kind and inner.kind == tvm.tirx.ForKind.SERIAL
+    f = mask_func(b, t)
+    rng = np.random.default_rng(5)
+    s1, s2 = (rng.standard_normal((2, 2, 7, 13), dtype=np.float32) for _ in range(2))
+    masked = rng.random((2, 1, 7, 13)) < 0.3
+    lib = tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    got = tvm.runtime.empty((2, 2, 7, 13), "float32")
+    lib["main"](tvm.runtime.tensor(s1), tvm.runtime.tensor(s2), tvm.runtime.tensor(masked), got)
+    np.testing.assert_array_equal(got.numpy(), np.where(masked, np.float32(-3e38), (s1 + s2) * np.float32(0.5)))
+
+
 @pytest.mark.parametrize("b,t", [(1, 1), (2, 37), (1, 64)])
 def test_the_transpose_rule_tiles_and_keeps_the_numbers(b, t):
     """y[b, t, c] = x[b, c, t] (KDA's convolution output back to channels-last): tiles of 16 x 16, the parallel loop
