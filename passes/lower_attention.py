@@ -8,7 +8,9 @@ the cache's last letter, out b h t s) becomes `call_tir` of `kernels/attention.s
 heads and the width static (one kernel per distinct pair), the cache length passed as the kernels' scalar, opaque
 to fusion (what followed the scores — the RoPE scores' add, the scale, the mask — is fused apart). A softmax over
 the last axis of a four-dim fp32 tensor (the attention weights) becomes `kernels/attention.softmax_kernel`. Any
-other einsum or softmax, and every one on a GPU target (dlight schedules them there), is left as it is.
+other einsum or softmax, and every one on a GPU target (dlight schedules them there), is left as it is. Last,
+`fuse_masked_scores` takes MLA's whole pre-softmax chain (two score kernels, add, scale, mask) into
+`kernels/attention.masked_scores_kernel`.
 """
 
 from __future__ import annotations
@@ -134,6 +136,100 @@ def lower_attention(target):
         for gv, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
                 m.builder_.update_func(gv, m.visit_expr(func))
-        return m.builder_.get()
+        return fuse_masked_scores(m.builder_.get())
 
     return run
+
+
+def fuse_masked_scores(mod):
+    """`mod` with every `where(masked, fill, multiply(add(s1, s2), scale))` whose s1 and s2 are calls of the score
+    kernel (`k3_attention_scores_*`, any function of the module: main's and main_inplace's alike) over the same heads,
+    rows and length, masked a bool [B, 1, T, S] and fill and scale 0-d fp32, replaced by one call of
+    `kernels/attention.masked_scores_kernel` (the same bits; the masked tiles' products skipped); the chain's
+    intermediates are then unused and removed. MLA's softmax input is that chain (model/mla.py: the latent and RoPE
+    scores, the scale, masked_fill). Anything else is left as it is."""
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    from k3compile.kernels.attention import masked_scores_kernel
+
+    ops = {name: tvm.ir.Op.get(f"relax.{name}") for name in ("where", "multiply", "add", "call_tir")}
+
+    @mutator
+    class Fuse(PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.add_kernel = opaque_kernels(self.builder_)
+            self.fused = 0
+
+        def value(self, x):
+            while isinstance(x, relax.Var):
+                bound = self.lookup_binding(x)
+                if bound is None:
+                    return x
+                x = bound
+            return x
+
+        def call_of(self, x, op: str):
+            x = self.value(x)
+            return x if isinstance(x, relax.Call) and x.op.same_as(ops[op]) else None
+
+        def scores(self, x):
+            """(q, k, length) of a call of the score kernel, else None."""
+            x = self.call_of(x, "call_tir")
+            if x is None or not isinstance(x.args[0], relax.GlobalVar):
+                return None
+            if not x.args[0].name_hint.startswith("k3_attention_scores_") or len(x.args[1].fields) != 3:
+                return None
+            return tuple(x.args[1].fields)
+
+        def visit_call_(self, call):
+            call = self.visit_expr_post_order(call)
+            fused = self.fuse(call)
+            return call if fused is None else fused
+
+        def fuse(self, call):
+            if not call.op.same_as(ops["where"]):
+                return None
+            masked, fill, scaled = call.args
+            scaled = self.call_of(scaled, "multiply")
+            total = None if scaled is None else self.call_of(scaled.args[0], "add")
+            parts = [] if total is None else [self.scores(x) for x in total.args]
+            if len(parts) != 2 or any(p is None for p in parts):
+                return None
+            (q, k, length), (qr, kr, length_r) = parts
+            scale = scaled.args[1]
+            out = call.ty
+            same = tvm_ffi.structural_equal
+            if not (same(length, length_r) and all(same(q.ty.shape[i], qr.ty.shape[i]) for i in range(3))
+                    and out.ndim == 4 and same(out.shape[1], q.ty.shape[2])
+                    and str(masked.ty.dtype) == "bool" and masked.ty.ndim == 4 and str(out.dtype) == "float32"
+                    and all(same(a, b) for a, b in zip(masked.ty.shape, [out.shape[0], tvm.tirx.IntImm(
+                        "int64", 1), out.shape[2], out.shape[3]]))
+                    and all(x.ty.ndim == 0 and str(x.ty.dtype) == "float32" for x in (scale, fill))):
+                return None
+            heads, width, rope = q.ty.shape[2], k.ty.shape[2], kr.ty.shape[2]
+            if not all(isinstance(d, tvm.tirx.IntImm) for d in (heads, width, rope)):
+                return None
+            heads, width, rope = int(heads), int(width), int(rope)
+            gv = self.add_kernel(("masked_scores", heads, width, rope),
+                                 lambda: masked_scores_kernel(heads, width, rope),
+                                 f"k3_attention_masked_scores_{heads}_{width}_{rope}")
+            self.fused += 1
+            return relax.call_tir(gv, [q, k, qr, kr, masked, scale, fill, length], out)
+
+    m = Fuse(mod)
+    changed = []
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            before = m.fused
+            new = m.visit_expr(func)
+            if m.fused != before:
+                changed.append((gv, relax.analysis.remove_all_unused(new)))
+            else:
+                changed.append((gv, new))
+    for gv, func in changed:
+        m.builder_.update_func(gv, func)
+    return m.builder_.get()

@@ -12,7 +12,9 @@ tile) read the last row and are not stored. Parallel over batch × tokens × run
 indices divided out once, not per tile), every head group of a tile against the same J rows
 (docs/toolchain.md, "CPU schedules"). k3-small, one layer at T = S = 2048: 2.1 s with TVM's schedule,
 0.30 s with this one (the sum order along c differs: partial sums of 16 strided lanes, then the lanes).
-`pv_kernel` is the weighted sum that follows the softmax, `einsum("bhts,bsc->bthc", p, k)`: a register tile of R
+`masked_scores_kernel` is both score contractions, the scale and the mask in one pass (what MLA's softmax reads;
+passes/lower_attention.py: fuse_masked_scores), skipping tiles the mask covers. `pv_kernel` is the weighted sum
+that follows the softmax, `einsum("bhts,bsc->bthc", p, k)`: a register tile of R
 heads × a few vectors of c, one broadcast weight per head and position.
 
 Every kernel that reads the cache takes its length S as a scalar argument (a PrimValue after the tensors) and the cache
@@ -129,6 +131,141 @@ def scores_kernel(heads: int, width: int):
     return scores
 
 
+def masked_scores_kernel(heads: int, width: int, rope_width: int):
+    """MLA's whole pre-softmax score in one pass: out[b, h, t, s] = fill where masked[b, 0, t, s], else
+    (sum_c q[b, t, h, c] · k[b, s, c] + sum_r qr[b, t, h, r] · kr[b, s, r]) · scale, for s < S (the scalar
+    argument; both caches of any capacity >= S), scale and fill 0-d tensors. What `scores_kernel` twice, then an add,
+    a multiply and a where computed (passes/lower_attention.py: fuse_masked_scores rewrites that chain), with the
+    same sums in the same order (so the same bits), written once instead of four passes over [B, H, T, S], and no
+    product computed for a tile of J positions the mask covers entirely: in a causal prefill, the upper half."""
+    from tvm.script import tirx as T
+
+    r_tile, j_tile = head_tile(heads), POSITIONS
+    lanes, lanes_r = lanes_of(width), lanes_of(rope_width)
+    groups, steps, steps_r = heads // r_tile, width // lanes, rope_width // lanes_r
+    tile = r_tile * j_tile
+    transposed, transposed_r = tile == lanes, tile == lanes_r  # as scores_kernel decides, per part
+
+    @T.prim_func(private=True)
+    def masked_scores(q: T.handle, k: T.handle, qr: T.handle, kr: T.handle, m: T.handle, sc: T.handle,
+                      fl: T.handle, S: T.int64, o: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B, Tn, C, CR = T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q, (B, Tn, heads, width), "float32")
+        K = T.match_buffer(k, (B, C, width), "float32")
+        QR = T.match_buffer(qr, (B, Tn, heads, rope_width), "float32")
+        KR = T.match_buffer(kr, (B, CR, rope_width), "float32")
+        Masked = T.match_buffer(m, (B, 1, Tn, S), "bool")
+        Scale = T.match_buffer(sc, (), "float32")
+        Fill = T.match_buffer(fl, (), "float32")
+        Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
+        assert S <= C and S <= CR, "attention scores: a cache holds fewer rows than its length"
+        for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
+            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
+            acc_r = T.alloc_buffer((r_tile, j_tile, lanes_r), "float32", scope="local")
+            sums = T.alloc_buffer((tile,), "float32", scope="local")
+            sums_r = T.alloc_buffer((tile,), "float32", scope="local")
+            chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
+            b = T.meta_var(task // (Tn * chunks))
+            t = T.meta_var(balanced(task // chunks % Tn, Tn))
+            for tl in range(TILES):
+                s0 = T.meta_var((task % chunks * TILES + tl) * j_tile)
+                if s0 < S:
+                    if tile_masked(Masked, b, t, s0, S, j_tile):
+                        for h in range(heads):
+                            for j in T.unroll(j_tile):
+                                if s0 + j < S:
+                                    Out[b, h, t, s0 + j] = Fill[()]
+                    else:
+                        for g in range(groups):
+                            for r in T.unroll(r_tile):
+                                for j in T.unroll(j_tile):
+                                    for v in T.vectorized(lanes):
+                                        acc[r, j, v] = T.float32(0)
+                            for c in range(steps):
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        for v in T.vectorized(lanes):
+                                            acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
+                                                b, T.min(s0 + j, S - 1), c * lanes + v]
+                            if transposed:
+                                sums[T.Ramp(0, 1, tile)] = lane_sums(acc, r_tile, j_tile, lanes)
+                            else:
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        if lanes >= 16:
+                                            for v in T.vectorized(8):
+                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
+                                        if lanes >= 8:
+                                            for v in T.vectorized(4):
+                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
+                                        if lanes >= 4:
+                                            for v in T.vectorized(2):
+                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
+                                        if lanes >= 2:
+                                            acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
+                                        sums[r * j_tile + j] = acc[r, j, 0]
+                            for r in T.unroll(r_tile):
+                                for j in T.unroll(j_tile):
+                                    for v in T.vectorized(lanes_r):
+                                        acc_r[r, j, v] = T.float32(0)
+                            for c in range(steps_r):
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        for v in T.vectorized(lanes_r):
+                                            acc_r[r, j, v] = acc_r[r, j, v] + QR[
+                                                b, t, g * r_tile + r, c * lanes_r + v] * KR[
+                                                b, T.min(s0 + j, S - 1), c * lanes_r + v]
+                            if transposed_r:
+                                sums_r[T.Ramp(0, 1, tile)] = lane_sums(acc_r, r_tile, j_tile, lanes_r)
+                            else:
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        if lanes_r >= 16:
+                                            for v in T.vectorized(8):
+                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 8]
+                                        if lanes_r >= 8:
+                                            for v in T.vectorized(4):
+                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 4]
+                                        if lanes_r >= 4:
+                                            for v in T.vectorized(2):
+                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 2]
+                                        if lanes_r >= 2:
+                                            acc_r[r, j, 0] = acc_r[r, j, 0] + acc_r[r, j, 1]
+                                        sums_r[r * j_tile + j] = acc_r[r, j, 0]
+                            for r in T.unroll(r_tile):
+                                for j in T.unroll(j_tile):
+                                    if s0 + j < S:
+                                        Out[b, g * r_tile + r, t, s0 + j] = T.Select(
+                                            Masked[b, 0, t, s0 + j], Fill[()],
+                                            (sums[r * j_tile + j] + sums_r[r * j_tile + j]) * Scale[()])
+
+    return masked_scores
+
+
+def balanced(i, n):
+    """The token a causal kernel's i-th row of tasks works on: 0, n − 1, 1, n − 2, ... TVM's parallel loop gives
+    each thread a contiguous run of tasks, and a causal row's work grows with its token (the positions before it),
+    so in token order the last thread got the most (~3:1 of two threads' work in a prefill); in this order every run
+    of tasks pairs tokens from both ends and the threads' shares are even."""
+    from tvm import tirx
+
+    return tirx.Select(i % 2 == 0, i // 2, n - 1 - i // 2)
+
+
+def tile_masked(masked, b, t, s0, length, positions: int):
+    """Whether masked[b, 0, t, s] holds for every position s0 + j (j < positions) inside the length."""
+    from tvm import tirx
+
+    cond = None
+    for j in range(positions):
+        pos = s0 + j
+        one = tirx.Or(pos >= length, tirx.BufferLoad(masked, [b, tirx.const(0, "int64"), t,
+                                                              tirx.min(pos, length - 1)]))
+        cond = one if cond is None else tirx.And(cond, one)
+    return cond
+
+
 def all_zero(p, b, h0, t, s, heads: int):
     """Whether the weights p[b, h0 + r, t, s] of the `heads` heads r of a tile are all exactly zero."""
     from tvm import tirx
@@ -164,7 +301,7 @@ def pv_kernel(heads: int, width: int):
         for task in T.parallel(B * Tn * groups * chunks):
             acc = T.alloc_buffer((r_tile, v_tile, lanes), "float32", scope="local")
             b = T.meta_var(task // (Tn * groups * chunks))
-            t = T.meta_var(task // (groups * chunks) % Tn)
+            t = T.meta_var(balanced(task // (groups * chunks) % Tn, Tn))
             h0 = T.meta_var(task // chunks % groups * r_tile)
             c0 = T.meta_var(task % chunks * v_tile * lanes)
             end = T.alloc_buffer((1,), "int64", scope="local")

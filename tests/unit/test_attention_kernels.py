@@ -174,6 +174,98 @@ def test_the_phase_takes_only_score_einsums_and_last_axis_softmax():
                                rtol=1e-5, atol=5e-6)
 
 
+MASKED_SHAPES = [  # b, t, s, capacity, heads, width, rope width
+    (1, 5, 9, 9, 8, 128, 32),     # k3-small's heads and widths: lane-wise sums for both parts
+    (2, 3, 11, 16, 2, 32, 8),     # k3-tiny's: folded sums, a cache buffer longer than its length
+    (1, 1, 17, 20, 3, 48, 24),    # decode, odd heads, a last tile of one position
+    (1, 70, 70, 70, 4, 64, 16),   # whole tiles masked (the upper triangle) and skipped
+]
+
+
+@pytest.mark.parametrize("b,t,s,cap,heads,width,rope", MASKED_SHAPES)
+def test_masked_scores_kernel_gives_the_chain_s_bits(b, t, s, cap, heads, width, rope):
+    """The fused kernel against what it replaces, run as separate kernels (scores twice, then (s1 + s2) · scale
+    and the mask in numpy's fp32): equal bit for bit under a causal mask with padded keys and a fully padded row
+    (every entry the fill), and under no mask at all."""
+    from k3compile.kernels.attention import masked_scores_kernel, scores_kernel
+
+    rng = np.random.default_rng(b * 1000 + t + s + heads)
+    q, qr = (rng.standard_normal((b, t, heads, w), dtype=np.float32) for w in (width, rope))
+    k, kr = (rng.standard_normal((b, cap, w), dtype=np.float32) for w in (width, rope))
+    causal = np.zeros((b, 1, t, s), bool)
+    for i in range(t):
+        causal[:, :, i, s - t + i + 1:] = True
+    causal[0, :, :, : min(2, s - t)] = True  # two padded keys in the first row of the batch
+    causal[0, :, 0] = True  # a fully padded query row
+    scale, fill = np.array(0.125, np.float32), np.array(np.finfo(np.float32).min, np.float32)
+    s1, s2 = tvm.runtime.empty((b, heads, t, s), "float32"), tvm.runtime.empty((b, heads, t, s), "float32")
+    _compile(scores_kernel(heads, width))(tvm.runtime.tensor(q), tvm.runtime.tensor(k), s, s1)
+    _compile(scores_kernel(heads, rope))(tvm.runtime.tensor(qr), tvm.runtime.tensor(kr), s, s2)
+    fused = _compile(masked_scores_kernel(heads, width, rope))
+    for masked in (causal, np.zeros_like(causal)):
+        out = tvm.runtime.empty((b, heads, t, s), "float32")
+        fused(*(tvm.runtime.tensor(x) for x in (q, k, qr, kr, masked, scale, fill)), s, out)
+        want = np.where(masked, fill, (s1.numpy() + s2.numpy()) * scale)
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
+def _mla_chain(mask_batch):
+    """main(q, k, qr, kr, masked, scale, fill): softmax(where(masked, fill, (scores + rope scores) · scale)) as MLA
+    exports it, `masked` of batch `mask_batch` (1: broadcast over the batch)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    n, t, s = (tvm.tirx.Var(v, "int64") for v in "nts")
+    q = relax.Var("q", relax.TensorType([n, t, 4, 32], "float32"))
+    k = relax.Var("k", relax.TensorType([n, s, 32], "float32"))
+    qr = relax.Var("qr", relax.TensorType([n, t, 4, 16], "float32"))
+    kr = relax.Var("kr", relax.TensorType([n, s, 16], "float32"))
+    masked = relax.Var("masked", relax.TensorType([n if mask_batch is None else mask_batch, 1, t, s], "bool"))
+    scale, fill = (relax.Var(v, relax.TensorType([], "float32")) for v in ("scale", "fill"))
+    with bb.function("main", [q, k, qr, kr, masked, scale, fill]):
+        with bb.dataflow():
+            s1 = bb.emit(relax.op.einsum([q, k], "bthc,bsc->bhts"))
+            s2 = bb.emit(relax.op.einsum([qr, kr], "bthr,bsr->bhts"))
+            x = bb.emit(relax.op.multiply(relax.op.add(s1, s2), scale))
+            p = bb.emit(relax.op.nn.softmax(relax.op.where(masked, fill, x), axis=-1))
+            out = bb.emit_output(p)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_the_phase_fuses_mla_s_masked_scores_and_the_numbers_hold():
+    """passes/lower_attention.py: fuse_masked_scores takes the chain whole (one kernel call, no score kernel, add,
+    multiply or where left) when the mask is [B, 1, T, S]; a mask broadcast over the batch keeps the chain. Both
+    modules run through phase 5 and equal torch within fp32 rounding."""
+    from k3compile.passes.legalize_fuse import legalize_fuse
+    from k3compile.passes.lower_attention import lower_attention
+    from tvm import relax
+
+    fused, kept = (str(lower_attention(resolve())(_mla_chain(m))["main"]) for m in (None, 1))
+    assert fused.count("k3_attention_masked_scores_4_32_16") == 1 and "k3_attention_scores_" not in fused
+    assert not any(op in fused for op in ("R.add", "R.multiply", "R.where"))
+    assert "k3_attention_masked_scores" not in kept and kept.count("k3_attention_scores_") == 2
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((2, 3, 4, 32), dtype=np.float32), rng.standard_normal((2, 5, 32), dtype=np.float32)
+    qr, kr = rng.standard_normal((2, 3, 4, 16), dtype=np.float32), rng.standard_normal((2, 5, 16), dtype=np.float32)
+    masked = np.triu(np.ones((3, 5), bool), k=3)[None, None].repeat(2, 0)
+    masked[1, :, :, 0] = True
+    scale, fill = np.array(0.25, np.float32), np.array(np.finfo(np.float32).min, np.float32)
+    scores = (torch.einsum("bthc,bsc->bhts", torch.from_numpy(q), torch.from_numpy(k))
+              + torch.einsum("bthr,bsr->bhts", torch.from_numpy(qr), torch.from_numpy(kr))) * 0.25
+    want = torch.softmax(scores.masked_fill(torch.from_numpy(masked), torch.finfo(torch.float32).min), -1)
+    tgt = resolve()
+    for mask_batch, m in ((None, masked), (1, masked[:1])):
+        with tgt.compiling():
+            ex = tvm.compile(legalize_fuse(tgt)(_mla_chain(mask_batch)), target=tgt.tvm(),
+                             relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+        got = relax.VirtualMachine(ex, tvm.cpu())["main"](*map(tvm.runtime.tensor, (q, k, qr, kr, m, scale, fill)))
+        expect = want if mask_batch is None else torch.softmax(scores.masked_fill(
+            torch.from_numpy(m), torch.finfo(torch.float32).min), -1)
+        # fp32 sums of 32 + 16 products in the kernels' order, against torch's: a few ulps, through the softmax
+        torch.testing.assert_close(torch.from_numpy(got.numpy()), expect, rtol=1e-5, atol=1e-6)
+
+
 def test_a_square_by_a_scalar_weight_holding_2_becomes_a_product():
     """passes/exact_powers.py: power(x, w) with w a weight whose recorded value is 2 is x * x (what torch computes
     for x.pow(2), and powf(x, 2) exactly); another exponent, an unrecorded weight and a GPU target keep the power."""
