@@ -61,6 +61,51 @@ def lane_sums(acc, rows: int, cols: int, lanes: int):
     return level[0]
 
 
+def tile_sums_macro(r_tile: int, j_tile: int):
+    """A TVMScript macro, tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed): for the R heads of
+    group g and the J positions from s0, sums[r · J + j] = q[b, t, g · R + r, :] · k[b, s0 + j, :] as 16-lane
+    partial sums along the width (acc, R × J × lanes), then their lanes: all at once (lane_sums) when `transposed`
+    (R · J = lanes), else each vector folded in halves. The score kernels' one dot product (scores_kernel, and
+    masked_scores_kernel's two parts), so their sums have the same order and the same bits."""
+    from tvm.script import tirx as T
+
+    tile = r_tile * j_tile
+
+    @T.macro
+    def tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed):
+        """sums[r · J + j] = q[b, t, g · R + r, :] · k[b, s0 + j, :] for the tile, as scores_kernel sums it:
+        16-lane partial sums along the width, then the lanes (lane_sums, or each vector folded in halves)."""
+        for r in T.unroll(r_tile):
+            for j in T.unroll(j_tile):
+                for v in T.vectorized(lanes):
+                    acc[r, j, v] = T.float32(0)
+        for c in range(steps):
+            for r in T.unroll(r_tile):
+                for j in T.unroll(j_tile):
+                    for v in T.vectorized(lanes):
+                        acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
+                            b, T.min(s0 + j, S - 1), c * lanes + v]
+        if transposed:
+            sums[T.Ramp(0, 1, tile)] = lane_sums(acc, r_tile, j_tile, lanes)
+        else:
+            for r in T.unroll(r_tile):
+                for j in T.unroll(j_tile):
+                    if lanes >= 16:
+                        for v in T.vectorized(8):
+                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
+                    if lanes >= 8:
+                        for v in T.vectorized(4):
+                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
+                    if lanes >= 4:
+                        for v in T.vectorized(2):
+                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
+                    if lanes >= 2:
+                        acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
+                    sums[r * j_tile + j] = acc[r, j, 0]
+
+    return tile_sums
+
+
 def scores_kernel(heads: int, width: int):
     """out[b, h, t, s] = sum_c q[b, t, h, c] · k[b, s, c] for s < S (the scalar argument), `heads` heads of `width`,
     batch, tokens, S and k's capacity C >= S symbolic."""
@@ -69,6 +114,7 @@ def scores_kernel(heads: int, width: int):
     r_tile, j_tile, lanes = head_tile(heads), POSITIONS, lanes_of(width)
     groups, steps = heads // r_tile, width // lanes
     transposed = r_tile * j_tile == lanes  # the tile's partial sums fill one vector of sums (lane_sums)
+    tile_sums = tile_sums_macro(r_tile, j_tile)
 
     @T.prim_func(private=True)
     def scores(q: T.handle, k: T.handle, S: T.int64, o: T.handle):
@@ -80,7 +126,7 @@ def scores_kernel(heads: int, width: int):
         assert S <= C, "attention scores: the cache holds fewer rows than its length"
         for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
             acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
-            sums = T.alloc_buffer((lanes,), "float32", scope="local")
+            sums = T.alloc_buffer((max(lanes, r_tile * j_tile),), "float32", scope="local")
             chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
             b = T.meta_var(task // (Tn * chunks))
             t = T.meta_var(task // chunks % Tn)
@@ -88,45 +134,16 @@ def scores_kernel(heads: int, width: int):
                 s0 = T.meta_var((task % chunks * TILES + tile) * j_tile)
                 if s0 < S:
                     for g in range(groups):  # every head group against the same J rows of k (read once)
-                        for r in T.unroll(r_tile):
-                            for j in T.unroll(j_tile):
-                                for v in T.vectorized(lanes):
-                                    acc[r, j, v] = T.float32(0)
-                        for c in range(steps):
+                        tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
+                        if transposed and s0 + j_tile <= S:  # the R · J sums one vector: R stores of J lanes
                             for r in T.unroll(r_tile):
-                                for j in T.unroll(j_tile):
-                                    for v in T.vectorized(lanes):
-                                        acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
-                                            b, T.min(s0 + j, S - 1), c * lanes + v]
-                        if transposed:  # the R · J = 16 partial-sum vectors summed lane-wise at once (lane_sums)
-                            sums[T.Ramp(0, 1, lanes)] = lane_sums(acc, r_tile, j_tile, lanes)
-                            if s0 + j_tile <= S:
-                                for r in T.unroll(r_tile):
-                                    Out[b, g * r_tile + r, t, T.Ramp(s0, 1, j_tile)] = sums[
+                                Out[b, g * r_tile + r, t, T.Ramp(s0, 1, j_tile)] = sums[
                                     T.Ramp(r * j_tile, 1, j_tile)]
-                            else:
-                                for r in T.unroll(r_tile):
-                                    for j in T.unroll(j_tile):
-                                        if s0 + j < S:
-                                            Out[b, g * r_tile + r, t, s0 + j] = sums[r * j_tile + j]
                         else:
-                            for r in T.unroll(r_tile):  # each partial-sum vector folded in halves: log2(lanes) adds
-                                for j in T.unroll(j_tile):
-                                    if lanes >= 16:
-                                        for v in T.vectorized(8):
-                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
-                                    if lanes >= 8:
-                                        for v in T.vectorized(4):
-                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
-                                    if lanes >= 4:
-                                        for v in T.vectorized(2):
-                                            acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
-                                    if lanes >= 2:
-                                        acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
                             for r in T.unroll(r_tile):
                                 for j in T.unroll(j_tile):
                                     if s0 + j < S:
-                                        Out[b, g * r_tile + r, t, s0 + j] = acc[r, j, 0]
+                                        Out[b, g * r_tile + r, t, s0 + j] = sums[r * j_tile + j]
 
     return scores
 
@@ -145,6 +162,8 @@ def masked_scores_kernel(heads: int, width: int, rope_width: int):
     groups, steps, steps_r = heads // r_tile, width // lanes, rope_width // lanes_r
     tile = r_tile * j_tile
     transposed, transposed_r = tile == lanes, tile == lanes_r  # as scores_kernel decides, per part
+
+    tile_sums = tile_sums_macro(r_tile, j_tile)
 
     @T.prim_func(private=True)
     def masked_scores(q: T.handle, k: T.handle, qr: T.handle, kr: T.handle, m: T.handle, sc: T.handle,
@@ -178,61 +197,8 @@ def masked_scores_kernel(heads: int, width: int, rope_width: int):
                                     Out[b, h, t, s0 + j] = Fill[()]
                     else:
                         for g in range(groups):
-                            for r in T.unroll(r_tile):
-                                for j in T.unroll(j_tile):
-                                    for v in T.vectorized(lanes):
-                                        acc[r, j, v] = T.float32(0)
-                            for c in range(steps):
-                                for r in T.unroll(r_tile):
-                                    for j in T.unroll(j_tile):
-                                        for v in T.vectorized(lanes):
-                                            acc[r, j, v] = acc[r, j, v] + Q[b, t, g * r_tile + r, c * lanes + v] * K[
-                                                b, T.min(s0 + j, S - 1), c * lanes + v]
-                            if transposed:
-                                sums[T.Ramp(0, 1, tile)] = lane_sums(acc, r_tile, j_tile, lanes)
-                            else:
-                                for r in T.unroll(r_tile):
-                                    for j in T.unroll(j_tile):
-                                        if lanes >= 16:
-                                            for v in T.vectorized(8):
-                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 8]
-                                        if lanes >= 8:
-                                            for v in T.vectorized(4):
-                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 4]
-                                        if lanes >= 4:
-                                            for v in T.vectorized(2):
-                                                acc[r, j, v] = acc[r, j, v] + acc[r, j, v + 2]
-                                        if lanes >= 2:
-                                            acc[r, j, 0] = acc[r, j, 0] + acc[r, j, 1]
-                                        sums[r * j_tile + j] = acc[r, j, 0]
-                            for r in T.unroll(r_tile):
-                                for j in T.unroll(j_tile):
-                                    for v in T.vectorized(lanes_r):
-                                        acc_r[r, j, v] = T.float32(0)
-                            for c in range(steps_r):
-                                for r in T.unroll(r_tile):
-                                    for j in T.unroll(j_tile):
-                                        for v in T.vectorized(lanes_r):
-                                            acc_r[r, j, v] = acc_r[r, j, v] + QR[
-                                                b, t, g * r_tile + r, c * lanes_r + v] * KR[
-                                                b, T.min(s0 + j, S - 1), c * lanes_r + v]
-                            if transposed_r:
-                                sums_r[T.Ramp(0, 1, tile)] = lane_sums(acc_r, r_tile, j_tile, lanes_r)
-                            else:
-                                for r in T.unroll(r_tile):
-                                    for j in T.unroll(j_tile):
-                                        if lanes_r >= 16:
-                                            for v in T.vectorized(8):
-                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 8]
-                                        if lanes_r >= 8:
-                                            for v in T.vectorized(4):
-                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 4]
-                                        if lanes_r >= 4:
-                                            for v in T.vectorized(2):
-                                                acc_r[r, j, v] = acc_r[r, j, v] + acc_r[r, j, v + 2]
-                                        if lanes_r >= 2:
-                                            acc_r[r, j, 0] = acc_r[r, j, 0] + acc_r[r, j, 1]
-                                        sums_r[r * j_tile + j] = acc_r[r, j, 0]
+                            tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
+                            tile_sums(acc_r, sums_r, QR, KR, b, t, g, s0, S, lanes_r, steps_r, transposed_r)
                             for r in T.unroll(r_tile):
                                 for j in T.unroll(j_tile):
                                     if s0 + j < S:
