@@ -1,11 +1,11 @@
 """The host GEMM that compiled CPU prefill matmuls call (docs/toolchain.md, "CPU schedules": the host GEMM).
 
-TVM's schedule for a dense matmul reaches ~110 GFLOP/s on this machine's prefill shapes (symbolic rows leave it no
-register tiling, and each block of rows widens the bf16 panel again), where the BLAS numpy ships (OpenBLAS: its own
-AVX-512 micro-kernels over packed panels) reaches ~200 in fp32. `targets/llvm.py` therefore gives every packed
-dense matmul over symbolic rows a branch: from HOST_GEMM_ROWS rows on, the kernel calls the packed function
-`k3compile.host_gemm` (registered here by `register`) instead of its own loops; below that (decode) it runs as
-before.
+TVM's schedule for a dense matmul reaches ~160-175 GFLOP/s on this machine's prefill shapes (symbolic rows leave it
+no register tiling of the rows; the bf16 panels are widened once per chunk for 4 rows), where the BLAS numpy ships
+(OpenBLAS: its own AVX-512 micro-kernels over packed panels) reaches ~180-200 in fp32 from ~1000 rows on.
+`targets/llvm.py` therefore gives every packed dense matmul over symbolic rows a branch: from HOST_GEMM_ROWS rows
+on, the kernel calls the packed function `k3compile.host_gemm` (registered here by `register`) instead of its own
+loops; below that (decode, short prompts) it runs as before.
 
 The callback gets the matmul's three buffers as the kernel holds them: x [..., K] fp32, the panels wp [N/P, K, P]
 (fp32, or bf16 patterns as uint16) and y [..., N] fp32. The panels are split between the threads of a pool of the

@@ -9,7 +9,8 @@ compile time. A target with no panel width (P = 0) leaves every matmul as it is.
 
 With the target's dense format bf16 (docs/architecture.md, "Dense weights") the panels hold each value's upper 16
 bits (uint16: numpy has no bf16), also made at compile time, and the kernel widens them as it reads them (a 16-bit
-shift into an fp32 register): half the bytes a decode step streams, the same fp32 arithmetic. The bits are cut, not
+shift into an fp32 register; a stage of its own, WIDENED, that the CPU schedule places: inline for one row, a
+chunk at a time for several): half the bytes a decode step streams, the same fp32 arithmetic. The bits are cut, not
 rounded: compile.py narrows only weights that hold bf16 values (a bf16 checkpoint, a preset), where cutting is
 exact, and refuses the others.
 
@@ -33,6 +34,7 @@ MXFP8_WEIGHTS = "k3.mxfp8_weights"  # module attr (mxfp8 builds): ["name:axis"],
 BF16_WEIGHTS = "k3.bf16_weights"  # module attr (mxfp8 builds): the names of the weights that hold bf16 values
 MX_BLOCK = 32  # values per E8M0 scale (OCP MX), along K
 MX_PARTIAL = "k3_mx_partial"  # the TE stage of a block's partial sums (targets/llvm.py schedules it inside)
+WIDENED = "k3_widened"  # the TE stage of the bf16 panels widened to fp32 (targets/llvm.py places it)
 # x is scaled by 2^X_SHIFT in the partial sums (exact), so that x times a code's value (the E4M3 value times
 # 2^-120) stays a normal fp32 down to |x * value| = 2^-70 instead of 2^-6; 2^64 * x overflows only past |x| = 2^64
 X_SHIFT = 64
@@ -153,11 +155,15 @@ def _unflatten(flat, shape):
 
 
 def packed_matmul_te(x, wp, panel: int):
-    """TE: y[..., n] = sum_k x[..., k] * wp[n // P, k, n % P] (wp fp32, or bf16 bits widened as read)."""
+    """TE: y[..., n] = sum_k x[..., k] * wp[n // P, k, n % P] (wp fp32, or bf16 bits widened by a stage of their
+    own, WIDENED: the CPU schedule widens a few k of a panel once for several rows, or computes it inline where one
+    row reads it: targets/llvm.py)."""
     from tvm import te
 
     k_dim = wp.shape[1]
     n_dim = wp.shape[0] * panel
+    if wp.dtype != "float32":
+        wp = te.compute(wp.shape, lambda *i: widen(wp[i]), name=WIDENED)
     k = te.reduce_axis((0, k_dim), "k")
     return te.compute((*x.shape[:-1], n_dim), lambda *i: te.sum(
         x[(*i[:-1], k)] * widen(wp[i[-1] // panel, k, i[-1] % panel]), axis=k), name="k3_packed_matmul")

@@ -11,7 +11,9 @@ never wrong, at worst slower:
    read with j innermost (the [K, N] layout the exporter writes, or the [N/64, K, 64] panels of
    passes/pack_dense_weights.py) is tiled: j split into 64-column strips of 16-lane vectors, k split by 4, the
    rows (batch x tokens, symbolic) in blocks of 8, each row's strip accumulated in registers over all of k (the
-   order measured fastest for one token), strips x row blocks run in parallel; over a symbolic length (attention's
+   order measured fastest for one token), strips x row blocks run in parallel; a packed matmul over bf16 panels
+   for more than one row widens each chunk of WIDEN_K values of k once into an L1 buffer that ROW_BLOCK rows use in
+   turn instead (`_schedule_widened`); over a symbolic length (attention's
    p · V) each row's output stays in L1 while k runs instead, rows in parallel, the output dim vectorized;
 3. loops: any other block gets its spatial loops fused into one (run in parallel when the work is large) and its
    innermost loop, when static and a multiple of 4, vectorized; a symbolic innermost loop under static ones stays
@@ -23,11 +25,14 @@ from __future__ import annotations
 VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
 PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
 MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a target imports no pass)
+WIDENED = "k3_widened"  # passes/pack_dense_weights.py: WIDENED, the bf16 panels widened to fp32
+WIDEN_K = 4  # k per widened chunk: 4 x 64 fp32, 1 KiB, the most TVM places on the stack (more: an allocation per chunk)
+ROW_BLOCK = 4  # rows a widened chunk serves in turn (measured: docs/toolchain.md, "CPU schedules")
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
 TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each of 16 rows
 HOST_GEMM = "k3compile.host_gemm"  # k3compile/host_gemm.py registers it (a target imports no runtime module)
 HOST_GEMM_ATTR = "k3.host_gemm"  # marks a PrimFunc that calls it (compile.py counts them for the manifest)
-HOST_GEMM_ROWS = 64  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
+HOST_GEMM_ROWS = 512  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
 
 
 def _static(extent) -> int | None:
@@ -47,12 +52,13 @@ def _is_reduction(sch, block) -> bool:
 
 
 def _inline_intermediates(sch, root) -> None:
-    """compute_inline every spatial block that feeds another block (repeated until nothing changes)."""
+    """compute_inline every spatial block that feeds another block (repeated until nothing changes), but the widened
+    panels, which the matmul rule places."""
     changed = True
     while changed:
         changed = False
         for block in sch.get_child_blocks(root):
-            if _is_reduction(sch, block) or not sch.get_consumers(block):
+            if _is_reduction(sch, block) or not sch.get_consumers(block) or sch.get(block).name_hint == WIDENED:
                 continue
             try:
                 sch.compute_inline(block)
@@ -133,6 +139,40 @@ def _schedule_matmul(sch, block, layout) -> None:
     sch.parallel(par)
     init = sch.decompose_reduction(block, ko)
     sch.vectorize(sch.get_loops(init)[-1])
+
+
+def _widened_rows(sch, block, layout) -> bool:
+    """Whether the matmul `block`, reading the widened panels, has rows to share each widened chunk: some row dim
+    symbolic or more than one row, K a multiple of WIDEN_K."""
+    spatial, _, _, kk = layout
+    extents = [_static(sch.get(lp).extent) for lp in spatial[:-1]]
+    rows = 1
+    for e in extents:
+        rows *= e or 2
+    return rows > 1 and kk is not None and kk % WIDEN_K == 0
+
+
+def _schedule_widened(sch, block, layout, widened) -> None:
+    """The packed matmul over bf16 panels for several rows: per 64-column strip and WIDEN_K values of k, the panel's
+    chunk is widened once into a 1 KiB buffer (L1), and each of ROW_BLOCK rows in turn adds its products to its
+    output strip; the k order of every output's sum is the one-row schedule's (the same bits). The widening (a
+    load, an extension and a shift per vector) is paid once for the rows instead of once per row."""
+    spatial, k, _, _ = layout
+    jo, ji, jv = sch.split(spatial[-1], [None, PANEL // VECTOR, VECTOR])
+    kc, ki = sch.split(k, [None, WIDEN_K])
+    rows = spatial[:-1]
+    m = sch.fuse(*rows) if len(rows) > 1 else rows[0]
+    mo, mi = sch.split(m, [None, ROW_BLOCK])
+    sch.reorder(mo, jo, kc, mi, ki, ji, jv)
+    sch.parallel(sch.fuse(mo, jo))
+    sch.unroll(ki)
+    sch.unroll(ji)
+    sch.vectorize(jv)
+    init = sch.decompose_reduction(block, kc)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.compute_at(widened, kc)
+    _, v = sch.split(sch.fuse(*sch.get_loops(widened)[-2:]), [None, VECTOR])
+    sch.vectorize(v)
 
 
 def _schedule_mx_partial(sch, block, partial) -> None:
@@ -245,7 +285,11 @@ def _host_gemm_operands(sch, block):
     ivs = [iv.var for iv in stmt.iter_vars]
     rows, j, k = ivs[:-2], ivs[-2], ivs[-1]
     (x, wp), y = stmt.reads, stmt.writes[0]
-    if x.source.dtype != "float32" or wp.source.dtype not in ("float32", "uint16") or len(wp.source.shape) != 3:
+    panels = wp.source
+    for producer in sch.get_producers(block):
+        if sch.get(producer).name_hint == WIDENED and sch.get(producer).writes[0].source.same_as(panels):
+            panels = sch.get(producer).reads[0].source  # the stored bf16 bits, which the host GEMM widens itself
+    if x.source.dtype != "float32" or panels.dtype not in ("float32", "uint16") or len(panels.shape) != 3:
         return None
     if all(isinstance(d, tvm.tirx.IntImm) for d in y.source.shape):
         return None  # static rows: a decode library's step, which the kernel serves
@@ -259,7 +303,7 @@ def _host_gemm_operands(sch, block):
     panel = wp.source.shape[2]
     if not (at(x, [*rows, k]) and at(y, [*rows, j]) and at(wp, [j // panel, k, j % panel])):
         return None
-    return x.source, wp.source, y.source
+    return x.source, panels, y.source
 
 
 def _call_host_gemm(func, operands, outer):
@@ -301,13 +345,19 @@ def schedule_func(func):
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
     host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) if "k3_packed_matmul" in names else None
     for name in names:
-        if name == MX_PARTIAL:
+        if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)
         block = sch.get_sblock(name)
         layout = _matmul_layout(sch, block) if _is_reduction(sch, block) else None
         state = sch.mod
         try:
-            if layout is not None:
+            if layout is not None and WIDENED in names and name == "k3_packed_matmul":
+                if _widened_rows(sch, block, layout):
+                    _schedule_widened(sch, block, layout, sch.get_sblock(WIDENED))
+                else:  # one row: widened as it is read, each strip's sums in registers (the rule below)
+                    sch.compute_inline(sch.get_sblock(WIDENED))
+                    _schedule_matmul(sch, block, layout)
+            elif layout is not None:
                 _schedule_matmul(sch, block, layout)
                 if MX_PARTIAL in names and name == "k3_packed_matmul":
                     _schedule_mx_partial(sch, sch.get_sblock(f"{name}_update"), sch.get_sblock(MX_PARTIAL))
@@ -321,6 +371,8 @@ def schedule_func(func):
                 _schedule_loops(sch, block)
         except Exception:  # noqa: BLE001 - a rule that does not apply: this block keeps the schedule it had
             sch = tvm.s_tir.Schedule(state)
+            if name == "k3_packed_matmul" and WIDENED in names:
+                sch.compute_inline(sch.get_sblock(WIDENED))  # never a whole widened copy of the weight
     func = sch.mod["main"]
     if host is not None:
         try:

@@ -1,6 +1,7 @@
 """The host GEMM (k3compile/host_gemm.py) against numpy in float64 over bf16 values that ml_dtypes widens, and the
 CPU schedule's branch to it (targets/llvm.py): a packed dense matmul over symbolic rows calls it from
-HOST_GEMM_ROWS rows on and runs its own loops below; a static one never calls it."""
+HOST_GEMM_ROWS rows on and runs its own loops below (the bf16 panels widened once per chunk for a block of rows); a
+static one never calls it."""
 
 from __future__ import annotations
 
@@ -110,3 +111,34 @@ def test_a_static_matmul_never_calls_the_host_gemm(counted):
     kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
     _check(y.numpy(), x, w64)
     assert counted == []
+
+
+@pytest.mark.parametrize("k", [96, 30])
+def test_rows_below_the_host_gemm_share_each_widened_chunk_and_get_one_rows_bits(k):
+    """Over symbolic rows the bf16 panels are widened a chunk at a time inside the parallel loop (targets/llvm.py:
+    `_schedule_widened`) when K is a multiple of WIDEN_K, and inline otherwise; a static row widens inline. Each row
+    of any row count (the row block's tails included) is the bits the one-row kernel gives that row alone, and
+    within the fp32 bound of the float64 product."""
+    from k3compile.targets.llvm import WIDEN_K, WIDENED
+
+    n = 128
+    func, kernel = _matmul(None, k, n, "uint16")
+    one_func, one = _matmul(1, k, n, "uint16")
+    text = func.script()
+    if k % WIDEN_K == 0:
+        assert text.index("T.parallel") < text.index(f'T.sblock("{WIDENED}")')
+    else:
+        assert WIDENED not in text
+    assert WIDENED not in one_func.script()
+    rng = np.random.default_rng(k)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, HOST_GEMM_ROWS - 1):
+        x, wp, w64 = _operands(rng, (rows,), k, n, 64, "uint16")
+        y = tvm.runtime.empty((rows, n), "float32")
+        kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
+        alone = np.empty((rows, n), np.float32)
+        for r in range(rows):
+            out = tvm.runtime.empty((1, n), "float32")
+            one(tvm.runtime.tensor(x[r:r + 1]), tvm.runtime.tensor(wp), out)
+            alone[r] = out.numpy()[0]
+        assert np.array_equal(y.numpy(), alone), rows
+        _check(y.numpy(), x, w64)
