@@ -16,8 +16,11 @@ Sections:
   each step as generate runs it (generate.step_last_of: the logits of the last position; TVM computes only those);
 - decode_past (`--decode-past`): batch-1 decode after a prompt of P tokens (prefilled in chunks), TVM and llama.cpp;
 - moe_kernel: the TVM MXFP4 expert kernel (top-k routed experts of a token) against torch fp32 `F.linear` on the
-  same shapes (the k3 op's own math, experts dequantized ahead), both cycling through every expert of a layer so
-  neither reads from a warm cache only; with the bytes of the experts a call reads over its time (GB/s);
+  same shapes (the k3 op's own math, experts dequantized ahead), both cycling through routes over every expert of
+  a layer, TVM's calls also through copies of the packed experts larger than the last-level cache together (each
+  call reads its experts from memory, as a decode step does); a pause before each backend's calls (torch's
+  threads spin after its last call and would take the cores TVM's pool needs); with the bytes of the experts a
+  call reads over its time (GB/s);
 - kda: the TVM KDA kernels (chunked, and the token-by-token recurrence) as T doubles (time per token should
   stay flat: linear in T);
 - opencl_profile (with the opencl backend): decode at batch 1 on the OpenCL executor with a profiling queue, the
@@ -55,6 +58,8 @@ PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
 MESH_PROMPT = 8  # run_mesh_bench's prompt length
 PAUSE_S = 0.5
+COLD_BYTES = 256 << 20  # the MoE kernel row's copies of the packed experts: 8x this machine's 32 MiB L3
+COLD_COPIES = 64
 MAX_REPEATS = 1000  # a bound for typos: medians settle after a handful
 
 
@@ -342,7 +347,10 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
     f13, f2 = dequantize_mxfp4(w13, s13), dequantize_mxfp4(w2, s2)
     lib = tvm.compile(tvm.IRModule({"main": tvm_moe_kernel(e, i, d, 0, True, 4.0, 25.0, target=tgt).with_attr(
         "global_symbol", "main")}), target=tgt.tvm())
-    packed = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in (w13, w2, s13, s2)]
+    tiles = [expert_tiles(x.numpy()) for x in (w13, w2, s13, s2)]
+    # copies of the packed experts, COLD_BYTES of them in all (at most COLD_COPIES), a call's through the next copy
+    copies = max(1, min(COLD_COPIES, COLD_BYTES // sum(t.nbytes for t in tiles)))
+    packed = [[tvm.runtime.tensor(t) for t in tiles] for _ in range(copies)]
     expert_bytes = sum(x[0].numel() for x in (w13, w2, s13, s2))  # uint8 codes and scale bytes of one expert
     def measure(n: int) -> dict:
         z = torch.randn(n, d, generator=gen)
@@ -352,8 +360,11 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
         zt, wt = tvm.runtime.tensor(z.numpy()), tvm.runtime.tensor(w.numpy())
         idx = [tvm.runtime.tensor(r.numpy()) for r in routes]
 
+        calls = [0]
+
         def run_tvm(r):
-            lib["main"](zt, idx[r], wt, *packed, y)
+            lib["main"](zt, idx[r], wt, *packed[calls[0] % copies], y)
+            calls[0] += 1
 
         def run_torch(r):
             out = torch.zeros(n, d)
@@ -368,6 +379,7 @@ def moe_kernel(config, tgt, repeats: int, tokens: tuple[int, ...] = (1, 8)) -> l
         run_tvm(0), run_torch(0)  # warm-up: thread pools start, first-touch of the outputs
         for _ in range(repeats):
             for name, fn in (("tvm_mxfp4", run_tvm), ("torch_fp32", run_torch)):
+                time.sleep(PAUSE_S)  # the other backend's threads go idle first
                 t = time.perf_counter()
                 for r in range(len(routes)):
                     fn(r)

@@ -351,13 +351,12 @@ def schedule_func(func):
         layout = _matmul_layout(sch, block) if _is_reduction(sch, block) else None
         state = sch.mod
         try:
-            if layout is not None and WIDENED in names and name == "k3_packed_matmul":
-                if _widened_rows(sch, block, layout):
+            if name == "k3_packed_matmul" and WIDENED in names:
+                if layout is not None and _widened_rows(sch, block, layout):
                     _schedule_widened(sch, block, layout, sch.get_sblock(WIDENED))
-                else:  # one row: widened as it is read, each strip's sums in registers (the rule below)
-                    sch.compute_inline(sch.get_sblock(WIDENED))
-                    _schedule_matmul(sch, block, layout)
-            elif layout is not None:
+                    continue
+                sch.compute_inline(sch.get_sblock(WIDENED))  # one row: widened as it is read (the rules below)
+            if layout is not None:
                 _schedule_matmul(sch, block, layout)
                 if MX_PARTIAL in names and name == "k3_packed_matmul":
                     _schedule_mx_partial(sch, sch.get_sblock(f"{name}_update"), sch.get_sblock(MX_PARTIAL))

@@ -3,7 +3,9 @@ backend, in one thread that owns the backend and the decode state.
 
 Each turn of the engine's loop runs at most one prefill chunk of the request being admitted (a single row,
 generate.RowPrefill: resumed from the prefix cache, in chunks, storing its blocks) and then one decode step of the
-running batch, so a long prompt delays the running streams by a chunk at a time, never by its whole prefill. A row
+running batch, so a long prompt delays the running streams by a chunk at a time, never by its whole prefill. Short
+prompts waiting together (one chunk each, shorter than a cache block: nothing to resume or store) are prefilled in
+one left-padded step instead and join together (docs/architecture.md, "Serving"). A row
 joins the batch when its prefill ends (state.join_rows: left padding), and leaves it when it finishes or its client
 goes (state.take_rows), between steps; its tokens are picked with its own sampling settings and its own seeded
 generator (generate.pick_next), so a request's tokens do not depend on what else runs beside it beyond the float
@@ -25,7 +27,15 @@ from dataclasses import dataclass, field
 import torch
 
 from k3compile.errors import UserError
-from k3compile.generate import GenerationError, RowPrefill, check_prompts, pick_next, step_last_of
+from k3compile.generate import (
+    GenerationError,
+    RowPrefill,
+    check_prompts,
+    default_prefill_chunk,
+    left_pad,
+    pick_next,
+    step_last_of,
+)
 from k3compile.state import join_rows, on_host, take_rows
 from k3compile.threads import glue_threads
 
@@ -190,9 +200,15 @@ class Engine:
         if self._admitting is None and len(self._rows) < self.max_batch:
             with self._cond:
                 request = self._waiting.popleft() if self._waiting else None
+                together = [request] if request is not None and self._short(request) else []
+                while (together and self._waiting and len(self._rows) + len(together) < self.max_batch
+                       and self._short(self._waiting[0])):
+                    together.append(self._waiting.popleft())
             if self.metrics:
                 self.metrics.queue(len(self._waiting))
-            if request is not None:
+            if len(together) > 1:
+                self._guard(together, lambda: self._prefill_together(together))
+            elif request is not None:
                 self._guard([request], lambda: self._begin(request))
         if self._admitting is not None:
             request = self._admitting[0]
@@ -215,6 +231,41 @@ class Engine:
                 self._admitting = None
             if any(r.request.id in ids for r in self._rows):
                 self._rows, self._past, self._mask = [], None, None
+
+    def _short(self, request: Request) -> bool:
+        """Whether `request`'s prompt is one prefill chunk that the prefix cache neither resumes nor stores (shorter
+        than a cache block): such prompts waiting together are prefilled as one left-padded batch."""
+        n = len(request.prompt)
+        chunk = self.prefill_chunk or default_prefill_chunk(self.config, 1, n)
+        return n <= chunk and (self.cache is None or n < self.cache.block)
+
+    def _prefill_together(self, requests: list[Request]) -> None:
+        """The prompts of `requests` (each `_short`) prefilled as one left-padded batch, one step; each row then
+        joins the running batch as a prompt prefilled alone would (its first token picked with its own settings)."""
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        ids, mask = left_pad([r.prompt for r in requests], pad)
+        logits, past = self._step(ids, mask, self.backend.init_past(len(requests)))
+        last = logits[:, -1]
+        keep = []
+        for i, request in enumerate(requests):
+            if self.metrics:
+                self.metrics.prefix(self.cache is not None, 0)
+            if not bool(torch.isfinite(last[i]).all()):
+                request.emit(Event("error", message="prefill: the model produced non-finite logits (NaN or Inf); "
+                                                    "check the weights"))
+                continue
+            token = int(pick_next(last[i:i + 1], request.sampling.temperature, request.sampling.top_p,
+                                  request.generator)[0])
+            if not self._accept(request, token):
+                keep.append((i, _Row(request, token)))
+        if not keep:
+            return
+        row = take_rows(self.config, on_host(self.backend, past), mask, [i for i, _ in keep])
+        if self._rows:
+            self._past, self._mask = join_rows(self.config, [(on_host(self.backend, self._past), self._mask), row])
+        else:
+            self._past, self._mask = row
+        self._rows += [r for _, r in keep]
 
     def _begin(self, request: Request) -> None:
         prefill = RowPrefill(self.backend, request.prompt, self.prefill_chunk, self.cache)

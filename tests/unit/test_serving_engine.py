@@ -147,3 +147,31 @@ def test_a_failing_step_fails_its_requests_only(backend, monkeypatch):
     _run(engine, lambda: sg.finish)
     assert "internal error: RuntimeError: device lost" in sbad.finish and sbad.tokens == []
     assert sg.tokens == generate(backend, [good.prompt], 3, eos_token_id=2).tokens[0]
+
+
+def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monkeypatch):
+    """Prompts shorter than a cache block and a chunk that wait together are prefilled in one left-padded step, up to
+    the batch's free rows and up to the first prompt that is not short (it goes alone, in chunks, from the cache);
+    each request still gets what `generate` gives it alone, with its own sampling settings."""
+    shapes = []
+    step = backend.step
+
+    def recording(ids, mask, past):
+        shapes.append(tuple(ids.shape))
+        return step(ids, mask, past)
+
+    monkeypatch.setattr(backend, "step", recording)
+    engine = Engine(backend, max_batch=3, prefill_chunk=8, cache=PrefixCache(backend.config, 8))
+    specs = [(_prompt(3, 11), 5, {}), (_prompt(6, 12), 4, {"temperature": 0.8, "seed": 3}), (_prompt(20, 13), 3, {}),
+             (_prompt(5, 14), 6, {}), (_prompt(7, 15), 3, {})]
+    reqs = [_request(p, n, **kw) for p, n, kw in specs]
+    for r, _ in reqs:
+        engine.submit(r)
+    engine.turn()
+    assert shapes[:2] == [(2, 6), (2, 1)]  # the first two together, then their decode step; the long one waits
+    _run(engine, lambda: all(s.finish for _, s in reqs))
+    assert (3, 8) not in shapes and (1, 8) in shapes  # the long prompt in chunks of 8, as one row
+    assert (2, 7) in shapes  # the last two together, once rows were free
+    monkeypatch.undo()
+    for (prompt, n, kw), (r, sink) in zip(specs, reqs):
+        assert sink.tokens == generate(backend, [prompt], n, eos_token_id=2, **kw).tokens[0] == r.tokens
