@@ -137,7 +137,12 @@ def _zeros_and_ones(mask: torch.Tensor) -> bool:
 def numpy_inputs(input_ids, attention_mask, past: Past) -> list[np.ndarray]:
     """One step's graph inputs as numpy arrays, in GraphInterface.inputs order (int64 ids and mask, fp32 state)."""
     return [np.asarray(input_ids, dtype=np.int64), np.asarray(attention_mask, dtype=np.int64),
-            *(t.detach().cpu().numpy().astype(np.float32, copy=False) for t in flatten(past))]
+            *(numpy_state(t) for t in flatten(past))]
+
+
+def numpy_state(t) -> np.ndarray:
+    """A decode-state tensor as the graph takes it: fp32 numpy on the host (shared with `t` when it already is)."""
+    return t.detach().cpu().numpy().astype(np.float32, copy=False)
 
 
 def flatten(past) -> list:

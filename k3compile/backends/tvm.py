@@ -37,6 +37,7 @@ from k3compile.interface import (
     check_step,
     init_past,
     numpy_inputs,
+    numpy_state,
     open_export,
     unflatten,
 )
@@ -249,7 +250,7 @@ class TvmBackend:
         hit = returned.get(id(t))
         if hit is not None and hit[0] is t:
             return hit[1]
-        return self._input(t.detach().cpu().numpy().astype(np.float32, copy=False))
+        return self._input(numpy_state(t))
 
 
 def _release_pool() -> None:
