@@ -5,8 +5,9 @@ For each rank of the plan (sharding/plan.py) the model is assembled from that ra
 read through the state-dict adapter's `Selection`: its layer range and expert slice, nothing else), the rank's graph
 is traced to ONNX with k3 ops (`RankGraph`: embedding on the first stage, the stage's layers, the head on the last;
 each MoE layer's latent partial sum through `k3.AllReduce` when ep · tp > 1; with tp > 1 its share of the heads,
-intermediate widths and vocabulary, sharding/tensor.py, each attention and MLP output and the embedding's lookups
-through `k3.AllReduce` over the tp group) and compiled by TVM like any export. Ranks
+intermediate widths, latent MoE projections and vocabulary, sharding/tensor.py, each attention, MLP and MoE output,
+each latent down projection and the embedding's lookups through `k3.AllReduce` over the tp group) and compiled by
+TVM like any export. Ranks
 whose graphs have the same structure (an expert-parallel group with slices of one size: the slice offset is a weight,
 not a constant) share one build; each still gets its own copy of the library and its own weights.
 
@@ -107,7 +108,7 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
     from k3compile.model.mlp import GatedMLP
     from k3compile.model.moe import RoutedExperts
     from k3compile.ops.collectives import all_reduce
-    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT
+    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT, AR_LATENT_IN
     from k3compile.sharding.tensor import rank_config, shared_width, vocab_slice
 
     rcfg = rank_config(cfg, p.tp)
@@ -123,6 +124,11 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
             moe = getattr(model.model.layers[i], "block_sparse_moe", None)
             if p.tp > 1 and moe is not None and cfg.num_shared_experts:
                 moe.shared_experts = GatedMLP(rcfg, cfg.hidden_size, shared_width(cfg, p.tp))
+            if p.tp > 1 and moe is not None and cfg.is_latent_moe:  # both by input columns (sharding/tensor.py)
+                d, de = cfg.hidden_size // p.tp, cfg.latent_size // p.tp
+                moe.routed_expert_down_proj = InputSliceLinear(d, cfg.latent_size, p.tensor * d,
+                                                               _Reduce(all_reduce, i, AR_LATENT_IN))
+                moe.routed_expert_up_proj = InputSliceLinear(de, cfg.hidden_size, p.tensor * de)
     for i in range(cfg.num_hidden_layers):
         if not a <= i < b:
             model.model.layers[i] = nn.Module()
@@ -147,9 +153,12 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
         moe = getattr(layer, "block_sparse_moe", None)
         if p.tp > 1:
             layer.self_attn.reduce = _Reduce(all_reduce, i, AR_ATTENTION)
-            ffn = layer.mlp if moe is None else getattr(moe, "shared_experts", None)
-            if ffn is not None:
-                ffn.reduce = _Reduce(all_reduce, i, AR_FFN)
+            if moe is not None and cfg.is_latent_moe:  # the up projection's and shared experts' partials: one sum
+                moe.out_reduce = _Reduce(all_reduce, i, AR_FFN)
+            else:
+                ffn = layer.mlp if moe is None else getattr(moe, "shared_experts", None)
+                if ffn is not None:
+                    ffn.reduce = _Reduce(all_reduce, i, AR_FFN)
         if sliced and moe is not None:
             if plan is not None and plan.dispatch == "all_to_all":
                 moe.exchange = _Exchange(i, plan.slices)
@@ -172,6 +181,21 @@ class VocabSliceEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.weight.shape[0])
         rows = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)
         return self.reduce(torch.where(inside.unsqueeze(-1), rows, 0.0))
+
+
+class InputSliceLinear(nn.Module):
+    """A tensor-parallel rank's share of a linear layer split by input columns: the weight's columns [offset,
+    offset + width) applied to those columns of the input, a partial output; `reduce` (when set) sums it over the
+    group (sharding/tensor.py: a latent MoE's projections)."""
+
+    def __init__(self, width: int, out: int, offset: int, reduce=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, width))
+        self.offset, self.reduce = offset, reduce
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = nn.functional.linear(x[..., self.offset:self.offset + self.weight.shape[1]], self.weight)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class _Reduce:

@@ -15,6 +15,9 @@ A model may hold a contiguous slice [a, b) of every layer's routed experts (expe
 sum into the sum over all experts (an all-reduce across the ranks holding the other slices) before the latent norm.
 `MoE.exchange`, when set instead, replaces the routed sum: it sends the latent tokens to the ranks holding their
 experts and sums what comes back (all-to-all dispatch and combine), calling `routed_local` for this rank's slice.
+With tensor parallelism a latent MoE's projections hold a rank's share of their input columns (partition.py,
+InputSliceLinear): down's partial latent is summed over the tp group inside it, and up's partial output, with the
+shared experts' partial output, by `MoE.out_reduce` (one sum of both).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.reduce: Callable[[Tensor], Tensor] | None = None  # the partial sum of a slice -> the sum of all
         self.exchange: Callable | None = None  # (moe, z, idx, w, act_quant) -> the routed sum, over all ranks
+        self.out_reduce: Callable[[Tensor], Tensor] | None = None  # tensor parallelism: the output's sum over tp
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg, experts)
         if cfg.num_shared_experts:
@@ -136,4 +140,6 @@ class MoE(nn.Module):
         y = y.to(x.dtype)
         if self.cfg.num_shared_experts:
             y = y + self.shared_experts(xf)
+        if self.out_reduce is not None:
+            y = self.out_reduce(y)
         return y.view(shape)

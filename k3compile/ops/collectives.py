@@ -3,8 +3,9 @@ talks to the other ranks of its stage (expert parallelism) or of its tensor-para
 
 - `k3::all_reduce(x, tag, part)`: the sum of x over a group. Expert parallelism by all-reduce: each rank's latent
   partial sum of its expert slice goes through it before the latent norm, over the stage's ranks (`part` 0); with
-  tensor parallelism the attention's and the MLP's / shared experts' partial outputs and the embedding's lookups,
-  over the tp group (`part` 1, 2, 3: sharding/plan.py's AR_PARTS).
+  tensor parallelism the attention's and the MLP's / MoE layer's partial outputs, the embedding's lookups and a
+  latent MoE's down projection's partial latent, over the tp group (`part` 1, 2, 3, 4: sharding/plan.py's
+  AR_PARTS).
 - `k3::all_to_all(x, tag, part)`: x is [G, C, ...], one block per rank of the group; block g goes to rank g, and
   the result's block g is what rank g sent here. Expert parallelism by dispatch: the latent tokens, their expert
   ids and weights go to the ranks holding those experts (`part` 0, 1, 2), the weighted expert outputs come back

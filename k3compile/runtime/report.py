@@ -26,7 +26,8 @@ def summarize(folder: str | Path, results: list[dict]) -> dict:
         rows = r["rows"][1] - r["rows"][0]  # its replica's: the tokens each step makes there
         steps = max(r["decode_steps"], 1)
         measured = {op: r["bytes_decode"].get(op, 0) / steps for op in COLLECTIVES}
-        predicted = step_bytes(cfg, plan, r["rank"], len(tokens), wire_bytes=WIRE_BYTES[r.get("wire", "fp32")])
+        predicted = step_bytes(cfg, plan, r["rank"], len(tokens), wire_bytes=WIRE_BYTES[r.get("wire", "fp32")],
+                               greedy=r.get("greedy", False))
         ranks.append({"rank": r["rank"], "rows": rows, "own_rows": r["own_rows"], "padded_rows": r["padded_rows"],
                       "decode_steps": r["decode_steps"], "bytes_per_step": measured,
                       "bytes_per_token": {k: v / rows for k, v in measured.items()},

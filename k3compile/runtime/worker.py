@@ -9,8 +9,8 @@ every token (a GPU target's rank runs its launch plan on its device instead: bac
     recv the carry from the previous stage -> run its layers (inside the graph, each MoE layer's all-reduce of the
     latent partial sums, or all-to-all dispatch and combine, over its stage's ranks; with tensor parallelism the
     attention's, MLP's and embedding's all-reduces over its tp group: ops/collectives.py) -> (tp) the logits of
-    each vocabulary slice gathered at the token source -> send the carry on -> the new tokens are broadcast from the
-    last stage to every rank of the replica.
+    each vocabulary slice gathered at the token source (greedy decoding: only each slice's argmax) -> send the
+    carry on -> the new tokens are broadcast from the last stage to every rank of the replica.
 
 Tensors cross between TVM and torch by DLPack (no copies). Every collective checks its place in the schedule and
 counts the payload bytes it hands over (`Stats`), which `run --stats` prints beside the plan's prediction. A peer
@@ -265,23 +265,39 @@ class Rank:
         ranks of the source's tensor-parallel group gather theirs there in t order, sharding/tensor.py); as they
         are at tp = 1, None on a rank of that group that is not the source. Every rank of the group calls it."""
         import torch
+
+        pieces = self.gathered(logits)
+        return torch.cat(pieces, dim=-1) if isinstance(pieces, list) else pieces
+
+    def gathered(self, logits, argmax: bool = False):
+        """`logits` as they are where the schedule has no gather (tp = 1); else each rank's piece at the token
+        source in t order, a list (None on the others): its vocabulary slice's logits, or with `argmax` only its
+        greedy candidate per row (sharding/tensor.slice_argmax, ARGMAX_BYTES a row)."""
+        import torch
         import torch.distributed as dist
+
+        from k3compile.sharding.tensor import slice_argmax, vocab_slice
 
         gather = next((s for s in self.schedule if s["op"] == "gather"), None)
         if gather is None:
             return logits
-        piece = logits.float().contiguous()
+        piece = (slice_argmax(logits, vocab_slice(self.cfg, self.p.tensor, self.p.tp)[0]) if argmax
+                 else logits.float().contiguous())
         source = gather["to"]
         if self.p.rank != source:
             self.stats.add("gather", piece.numel() * piece.element_size())
         pieces = [torch.empty_like(piece) for _ in gather["group"]] if self.p.rank == source else None
         self._talk("gathering the logits", gather["group"], dist.gather, piece, pieces, dst=source,
                    group=self.tp_group)
-        return torch.cat(pieces, dim=-1) if pieces is not None else None
+        return pieces
 
-    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], micro_batches: int = 1):
+    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], micro_batches: int = 1,
+             pick_across=None):
         """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
-        rows within the replica. Returns (the replica's next tokens, present).
+        rows within the replica. Returns (the replica's next tokens, present). The token source picks the tokens
+        with `pick(the whole vocabulary's logits)`, or with tp > 1 and `pick_across` (greedy decoding) with
+        `pick_across(the tp ranks' argmax rows)`: a distributed argmax, which gathers ARGMAX_BYTES a row instead of
+        each slice's logits (docs/architecture.md, "Tensor parallelism").
 
         With `micro_batches` M > 1 the rows run as M contiguous micro-batches (even_slices; every rank of the
         replica splits its rows alike), each its own recv / run / send, so stage s runs micro-batch m while stage
@@ -301,13 +317,14 @@ class Rank:
             presents.append(outs[head:])
         present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
         if self.p.last:
-            last = self.whole_logits((logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1])
+            last = self.gathered((logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1], pick_across is not None)
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
         sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s, (lo, hi, padded) in zip(sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
-            if self.p.rank == s["from"]:
-                buf.copy_(pick(last))
+            if self.p.rank == s["from"]:  # a list: the tp ranks' pieces (Rank.gathered)
+                buf.copy_(pick(last) if not isinstance(last, list) else pick_across(last) if pick_across
+                          else pick(torch.cat(last, dim=-1)))
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, present
@@ -376,6 +393,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
     from k3compile.generate import check_request, decode_loop, pick_next
     from k3compile.interface import init_past
     from k3compile.ops.collectives import set_collective
+    from k3compile.sharding.tensor import join_argmax
     from k3compile.threads import use_threads
 
     if options.threads:
@@ -407,6 +425,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         past = [t for state in init_past(me.state_cfg, padded)[slice(*p.layers)] for t in state]
         gen = torch.Generator().manual_seed(options.seed)
+        greedy = options.temperature <= 0  # pick_next's argmax: with tp > 1 a distributed one (Rank.step)
 
         def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
             nonlocal past                     # tokens come back from the last stage (Rank.step)
@@ -417,7 +436,14 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                     raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
                 return pick_next(logits, options.temperature, options.top_p, gen)
 
-            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows, options.micro_batches)
+            def pick_across(pieces):  # greedy with tp > 1: the tp ranks' argmax rows (sharding/tensor.py)
+                tokens, finite = join_argmax(pieces)
+                if not finite:
+                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
+                return tokens
+
+            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows, options.micro_batches,
+                                pick_across if greedy else None)
             return nxt
 
         def on_step(index):
@@ -437,7 +463,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                   "padded_rows": padded, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
                   "decode_s": decoded.decode_s, "decode_steps": decoded.decode_steps,
                   "bytes_prefill": dict(me.stats.prefill), "bytes_decode": dict(me.stats.decode),
-                  "wire": options.wire}
+                  "wire": options.wire, "greedy": greedy}
         return gather_json(result, world)  # after decode: not counted
     finally:
         dist.destroy_process_group()

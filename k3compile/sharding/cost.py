@@ -19,6 +19,7 @@ from fractions import Fraction
 from k3compile.config import K3Config
 from k3compile.sharding.plan import (
     AR_LATENT,
+    AR_LATENT_WIDTH,
     Mesh,
     PlanError,
     RankPlan,
@@ -27,6 +28,7 @@ from k3compile.sharding.plan import (
     make_plan,
     slice_runs,
 )
+from k3compile.sharding.tensor import ARGMAX_BYTES
 
 COLLECTIVES = ("all_reduce", "all_to_all", "send", "broadcast", "gather")  # what a step's bytes are counted by
 TOKEN_BYTES = 8  # int64 token ids
@@ -118,17 +120,19 @@ def rank_activations(cfg: K3Config, p: RankPlan, batch: int, dtype_bytes: int) -
 
 
 def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_bytes: int = 4,
-               width: int | None = None, wire_bytes: int | None = None, tp_key: bool = False) -> dict[str, int]:
+               width: int | None = None, wire_bytes: int | None = None, tp_key: bool = False,
+               greedy: bool = False) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
     the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
     the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
     `wire_bytes`: their element size on the all-to-all's wire (default `dtype_bytes`; `run --wire-dtype`). An
     all-reduce counts its tensor: a MoE layer's latent partial sums [rows, D_e], with tp > 1 an attention's or an
-    MLP's output [rows, D] (`tp_key`: those also apart, as "all_reduce_tp", for their ring of tp ranks); with tp > 1
+    MLP's (or MoE layer's) output [rows, D] and a latent MoE's down projection [rows, D_e] (`tp_key`: those also
+    apart, as "all_reduce_tp", for their ring of tp ranks); with tp > 1
     the embedding's lookups [rows, D] on the first stage, and a gather of the last position's logits of each rank's
     vocabulary slice [rows, V / tp] from the token source's tensor-parallel group (the source's own piece does not
-    cross).
+    cross), or with `greedy` (temperature 0: a distributed argmax) only each slice's candidate, ARGMAX_BYTES a row.
 
     The all-to-all's figure is an expectation under uniform routing (each slot on expert e with probability 1/E):
     per MoE layer a count to each other rank (int64), then the slots routed off this rank (the share of experts
@@ -149,7 +153,7 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
         if step["op"] == "run":
             for c in step["collectives"]:
                 if c["op"] == "all_reduce":
-                    width_of = cfg.latent_size if c["part"] == AR_LATENT else cfg.hidden_size
+                    width_of = cfg.latent_size if c["part"] in AR_LATENT_WIDTH else cfg.hidden_size
                     out["all_reduce"] += rows * width_of * dtype_bytes
                     if tp_key and c["part"] != AR_LATENT:
                         out["all_reduce_tp"] = out.get("all_reduce_tp", 0) + rows * width_of * dtype_bytes
@@ -161,7 +165,7 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
         elif step["op"] == "broadcast" and step["from"] == rank:
             out["broadcast"] += rows * TOKEN_BYTES
         elif step["op"] == "gather" and step["to"] != rank:
-            out["gather"] += rows * cfg.vocab_size // plan.mesh.tp * dtype_bytes
+            out["gather"] += rows * (ARGMAX_BYTES if greedy else cfg.vocab_size // plan.mesh.tp * dtype_bytes)
     return out
 
 

@@ -155,10 +155,12 @@ A2A_PARTS = ("dispatch", "outputs")
 A2A_DISPATCH, A2A_OUTPUTS = range(len(A2A_PARTS))
 A2A_ID_COLUMN = -2  # where a dispatch row holds its expert id
 # What each all-reduce of a layer sums (its part): the MoE's latent partial sums over the stage's group (ep · tp), and
-# with tp > 1 the attention's and the dense MLP's / shared experts' output partial sums over the tensor-parallel group,
-# and the embedding's (tag 0: each rank looks up the ids of its vocabulary slice).
-AR_PARTS = ("latent_partial_sum", "attention_output", "ffn_output", "embedding_output")
-AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED = range(len(AR_PARTS))
+# with tp > 1 over the tensor-parallel group the attention's output partial sums, the dense MLP's / a MoE layer's
+# output partial sums (the shared experts' and the latent up projection's), the embedding's (tag 0: each rank looks
+# up the ids of its vocabulary slice) and a latent MoE's down projection's (its input: the latent the experts take).
+AR_PARTS = ("latent_partial_sum", "attention_output", "ffn_output", "embedding_output", "latent_input")
+AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED, AR_LATENT_IN = range(len(AR_PARTS))
+AR_LATENT_WIDTH = (AR_LATENT, AR_LATENT_IN)  # the parts summed at the latent width D_e (the others at D)
 
 
 @dataclass(frozen=True)
@@ -223,9 +225,13 @@ class ShardPlan:
         calls = []
         if mesh.tp > 1 and p.first:
             calls.append({"op": "all_reduce", "tag": 0, "part": AR_EMBED, "tensor": AR_PARTS[AR_EMBED], "group": tp})
-        for i in range(a, b):  # in the order a layer runs them: attention, routed experts, shared experts / MLP
+        for i in range(a, b):  # in the order a layer runs them: attention, the latent down projection, routed
+            # experts, the output (shared experts and the latent up projection, or the dense MLP)
             if mesh.tp > 1:
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_ATTENTION, "tensor": AR_PARTS[AR_ATTENTION],
+                              "group": tp})
+            if mesh.tp > 1 and i in self.moe_layers and cfg.is_latent_moe:
+                calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT_IN, "tensor": AR_PARTS[AR_LATENT_IN],
                               "group": tp})
             if i in self.moe_layers and mesh.group > 1:
                 if self.dispatch == "all_to_all":
@@ -234,7 +240,7 @@ class ShardPlan:
                 else:
                     calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT, "tensor": AR_PARTS[AR_LATENT],
                                   "group": group})
-            if mesh.tp > 1 and (i not in self.moe_layers or cfg.num_shared_experts):
+            if mesh.tp > 1 and (i not in self.moe_layers or cfg.num_shared_experts or cfg.is_latent_moe):
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_FFN, "tensor": AR_PARTS[AR_FFN], "group": tp})
         steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": calls})
         if mesh.tp > 1 and p.last and self.token_sources(p.replica)[0] in tp:  # its vocabulary's logits to the source
@@ -275,7 +281,10 @@ def check_tp(cfg: K3Config, mesh: Mesh, moe_layers) -> None:
               if len(moe_layers) < cfg.num_hidden_layers else None,
               "shared experts' width (num_shared_experts x moe_intermediate_size)":
               cfg.num_shared_experts * cfg.moe_intermediate_size if moe_layers and cfg.num_shared_experts else None,
-              "vocabulary (vocab_size)": cfg.vocab_size}
+              "vocabulary (vocab_size)": cfg.vocab_size,
+              "latent MoE's projections (hidden_size)": cfg.hidden_size if moe_layers and cfg.is_latent_moe else None,
+              "latent MoE's projections (routed_expert_hidden_size)": cfg.latent_size
+              if moe_layers and cfg.is_latent_moe else None}
     bad = [f"{n} {what}" for what, n in widths.items() if n is not None and n % mesh.tp]
     if bad:
         raise PlanError(f"mesh {mesh}: tp={mesh.tp} does not divide {cfg.name}'s {', '.join(bad)}")

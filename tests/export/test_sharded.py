@@ -130,7 +130,7 @@ def decode_routing(eager, tokens: list[list[int]]) -> list[dict[int, torch.Tenso
     return steps[:-1]  # the last token is not fed back
 
 
-def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> dict:
+def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4, greedy: bool = True) -> dict:
     """The accounting rule, written out independently of sharding/cost.py, for a replica of `rows` rows. All-reduce
     dispatch: per decode step a rank all-reduces one [rows, latent] fp32 tensor per MoE layer of its stage when
     ep > 1, sends every carry tensor ([rows, 1, hidden] fp32: the residual and the AttnRes summaries closed before
@@ -141,10 +141,13 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> d
     of the slots the other ranks' rows route into its slice; every shard of the last stage broadcasts its rows'
     tokens. `wire`: the bytes of a vector element on the all-to-all's wire (2 with `--wire-dtype bf16`, the id and
     weight still 4 each). Tensor parallelism (tp > 1) adds per layer of the stage an fp32 [rows, hidden] all-reduce
-    of the attention's output and one of the dense MLP's or the shared experts' output, and the MoE layers'
-    latent all-reduce runs over the ep x tp ranks of the stage; the first stage all-reduces its [rows, hidden]
-    embedding lookups (each rank holds a vocabulary slice), and the last stage's shards 1 .. tp - 1 send shard 0
-    (the token source) their slice of the last position's logits, [rows, vocab / tp] fp32."""
+    of the attention's output and one of the dense MLP's or the MoE layer's output (shared experts, and in K3 the
+    latent up projection), in K3 per MoE layer an fp32 [rows, latent] all-reduce of its down projection's partial
+    latent, and the MoE layers' latent all-reduce runs over the ep x tp ranks of the stage; the first stage
+    all-reduces its [rows, hidden] embedding lookups (each rank holds a vocabulary slice), and the last stage's
+    shards 1 .. tp - 1 send shard 0
+    (the token source) their slice of the last position's logits, [rows, vocab / tp] fp32, or when decoding is greedy
+    only each row's greatest logit of the slice, its token id and the slice's non-finite count (3 float64)."""
     d, s, e = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
@@ -171,12 +174,16 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4) -> d
         return {"all_reduce": 0, "all_to_all": moved / len(routing),
                 "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0,
                 "gather": 0}
-    tp = plan.mesh.tp  # the embedding's lookups, each layer's attention output and its dense MLP's or shared experts'
-    split = (s == 0) + sum(1 + (not cfg.is_moe(i) or cfg.num_shared_experts > 0) for i in range(a, b)) if tp > 1 else 0
-    return {"all_reduce": (moe * cfg.latent_size if ep * tp > 1 else 0) * rows * 4 + split * rows * cfg.hidden_size * 4,
+    tp = plan.mesh.tp  # the embedding's lookups, each layer's attention output and its dense MLP's or MoE output
+    latent = cfg.routed_expert_hidden_size is not None  # K3's latent MoE: its down projection is summed over tp too
+    split = (s == 0) + sum(1 + (not cfg.is_moe(i) or cfg.num_shared_experts > 0 or latent)
+                           for i in range(a, b)) if tp > 1 else 0
+    down = moe if tp > 1 and latent else 0
+    return {"all_reduce": (moe if ep * tp > 1 else 0) * cfg.latent_size * rows * 4 + split * rows * cfg.hidden_size * 4
+            + down * cfg.latent_size * rows * 4,
             "all_to_all": 0, "send": 0 if last else carry * rows * cfg.hidden_size * 4,
             "broadcast": rows * 8 if last and e == 0 else 0,
-            "gather": rows * cfg.vocab_size // tp * 4 if last and 0 < e < tp else 0}  # to shard 0, the source
+            "gather": rows * (24 if greedy else cfg.vocab_size // tp * 4) if last and 0 < e < tp else 0}  # to shard 0
 
 
 @pytest.mark.parametrize("model,mesh,dispatch", CASES)
@@ -336,6 +343,24 @@ def test_micro_batches_that_cannot_apply_are_one_line(sharded, mesh, args, expec
     res = cli("run", str(sharded[("k3-tiny", mesh, "all-reduce")]), *prompts, "--max-new-tokens", "2", *args)
     assert res.returncode == 1 and res.stderr.count("Error:") == 1 and expect in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_tp_sampling_gathers_the_vocabulary_slices_and_greedy_only_their_argmax(sharded, references):
+    """tp=2,pp=2: sampled decoding (temperature, top-p, seed) picks from the whole vocabulary's logits, the token
+    source's partner sending its slice, and draws the single-process build's tokens; greedy decoding
+    (check_decode, above) sends only each row's argmax of the slice. Bytes measured = plan = the rule, both ways."""
+    from k3compile.manifest import read_sharded
+
+    folder = sharded[("k3-tiny", "tp=2,pp=2", "all-reduce")]
+    _, tvm = references["k3-tiny"]
+    want = generate(tvm, PROMPTS, NEW, temperature=0.8, top_p=0.9, seed=3, eos_token_id=tvm.config.eos_token_id)
+    res = run(folder, Options(PROMPTS, NEW, temperature=0.8, top_p=0.9, seed=3, threads=1))
+    assert res["tokens"] == want.tokens
+    _, cfg, plan = read_sharded(folder)
+    for row in res["ranks"]:
+        rule = accounted(cfg, plan, row["rank"], row["rows"], greedy=False)
+        assert row["bytes_per_step"] == row["predicted_bytes_per_step"] == rule, row
+    assert res["ranks"][3]["bytes_per_step"]["gather"] == 3 * cfg.vocab_size // 2 * 4  # rank 3: the source's partner
 
 
 def test_a_bf16_wire_halves_the_all_to_all_vectors(sharded, references, tmp_path):

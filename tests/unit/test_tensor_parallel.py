@@ -126,8 +126,9 @@ def test_tp_ranks_decode_what_the_whole_model_decodes(model, mesh, hf_folder):
 def test_the_plan_prices_what_a_rank_holds_and_moves():
     """A tp=2,ep=2 rank's weight bytes (fp32) are the elements its model holds, its KDA state the shapes its
     config makes, its all-reduce bytes per step the rule: the embedding's lookups [rows, D], per layer an attention
-    output [rows, D], a dense MLP's or the shared experts' output [rows, D], and a MoE layer's latent partial sums
-    [rows, D_e] (fp32); the token source's tp partner gathers its half of the vocabulary's logits there."""
+    output [rows, D], a dense MLP's or a MoE layer's output [rows, D] (shared experts and latent up projection), and
+    a MoE layer's latent partial sums and its down projection's partial latent [rows, D_e] each (fp32); the token
+    source's tp partner gathers its half of the vocabulary's logits there."""
     cfg = preset("k3-tiny")
     source = RankSource("k3-tiny", 0, "auto")
     plan = make_plan(cfg, Mesh.parse("tp=2,ep=2"))
@@ -142,10 +143,34 @@ def test_the_plan_prices_what_a_rank_holds_and_moves():
         assert rank_state(cfg, p, 3, 0, 4)["kda_state"] == state
         rows, d, de = 3, cfg.hidden_size, cfg.latent_size
         moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-        rule = rows * 4 * (d + cfg.num_hidden_layers * d + cfg.num_hidden_layers * d + moe * de)  # 2 shared
+        rule = rows * 4 * (d + cfg.num_hidden_layers * d + cfg.num_hidden_layers * d + 2 * moe * de)
         moved = step_bytes(cfg, plan, p.rank, rows)
         assert moved["all_reduce"] == rule
         assert moved["gather"] == (rows * cfg.vocab_size // 2 * 4 if p.rank == 1 else 0)  # rank 0 is the source
+        greedy = step_bytes(cfg, plan, p.rank, rows, greedy=True)  # a distributed argmax: 3 float64 a row
+        assert greedy == {**moved, "gather": rows * 24 if p.rank == 1 else 0}
+
+
+@settings(max_examples=200, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4), width=st.integers(1, 6), levels=st.integers(1, 4),
+       seed=st.integers(0, 2**16), bad=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]),
+       where=st.integers(0, 2**16))
+def test_a_distributed_argmax_picks_the_whole_vocabularys_first_greatest_logit(tp, rows, width, levels, seed, bad,
+                                                                                 where):
+    """Each rank's argmax rows of its vocabulary slice (slice_argmax), joined at the source (join_argmax), give
+    torch.argmax over the whole row, ties (few distinct values) included: the first greatest logit; a non-finite
+    logit anywhere in any slice is reported, as the whole-vocabulary check reports it."""
+    from k3compile.sharding.tensor import join_argmax, slice_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, tp * width), generator=g).float() / 4 - 1
+    if bad is not None:
+        logits.view(-1)[where % logits.numel()] = bad
+    pieces = [slice_argmax(piece, t * width) for t, piece in enumerate(logits.split(width, dim=-1))]
+    tokens, finite = join_argmax(pieces)
+    assert finite == bool(torch.isfinite(logits).all())
+    if finite:
+        assert torch.equal(tokens, logits.argmax(-1))
 
 
 @pytest.mark.parametrize("mesh,named", [
@@ -206,10 +231,11 @@ def test_k3_on_64_devices_fits_with_tp_ep_and_two_stages_at_most():
 
 def test_a_tp_ranks_schedule_and_record():
     """tp=2,pp=2 on k3-tiny: ranks 0, 1 the first stage (the embedding's all-reduce first, then per layer the
-    attention's, the MoE's latent sums over the stage's group, the MLP's or shared experts'), ranks 2, 3 the last,
+    attention's, the MoE's down projection's over tp and latent sums over the stage's group, the MLP's or the MoE
+    layer's output), ranks 2, 3 the last,
     rank 3 gathering its logits at rank 2 (the token source); the record names tp only when it is > 1, so the
     plans of artifacts built before tp read back unchanged."""
-    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT, ShardPlan
+    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT, AR_LATENT_IN, ShardPlan
 
     cfg = preset("k3-tiny")
     plan = make_plan(cfg, Mesh.parse("tp=2,pp=2"))
@@ -220,9 +246,9 @@ def test_a_tp_ranks_schedule_and_record():
     want = [(0, AR_EMBED, [0, 1])]
     for i in range(a, b):
         want.append((i, AR_ATTENTION, [0, 1]))
-        if cfg.is_moe(i):
-            want.append((i, AR_LATENT, [0, 1]))
-        want.append((i, AR_FFN, [0, 1]))  # k3-tiny's MoE layers have shared experts
+        if cfg.is_moe(i):  # the latent down projection's partial latent over tp, then the experts' over the stage
+            want += [(i, AR_LATENT_IN, [0, 1]), (i, AR_LATENT, [0, 1])]
+        want.append((i, AR_FFN, [0, 1]))  # a MoE layer's: the shared experts' and the latent up projection's
     assert [(c["tag"], c["part"], c["group"]) for c in first[0]["collectives"]] == want
     assert [s["op"] for s in plan.schedule(3, cfg)] == ["recv", "run", "gather", "broadcast"]
     assert plan.schedule(3, cfg)[2] == {"op": "gather", "to": 2, "group": [2, 3], "tensors": ["logits"]}
