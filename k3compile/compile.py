@@ -45,12 +45,13 @@ if TYPE_CHECKING:
 
 def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
-                   tune: int = 0, dense: str = "auto", decode_library: bool = True) -> dict:
+                   tune: int = 0, dense: str = "auto", decode_library: bool = True, host_gemm: bool = True) -> dict:
     """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
     `out`; returns the manifest. On a CPU target the artifact also holds decode.so, the decode step at batch 1 built
     with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library and tuning"), unless
     `decode_library` is False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`:
-    how the dense matrices are stored (`dense_target`)."""
+    how the dense matrices are stored (`dense_target`). Without `host_gemm` no kernel calls k3compile's host GEMM
+    (Target.without_host_gemm): a plain TVM runtime runs the whole library."""
     import tempfile
 
     import onnx
@@ -63,6 +64,8 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
     step = progress or (lambda msg: None)
     export_dir = Path(export_dir)
     tgt = resolve(target)
+    if not host_gemm:
+        tgt = tgt.without_host_gemm()
     if tune < 0:
         raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
     if tune and tgt.gpu:

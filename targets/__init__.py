@@ -97,6 +97,16 @@ class Target:
 
         return replace(self, dense_format=DenseFormat(fmt))
 
+    def without_host_gemm(self) -> Target:
+        """This CPU target with no call to the host GEMM in its kernels (`compile --no-host-gemm`: targets/llvm.py,
+        schedule_func); a GPU target's kernels never call it, so asking there is refused."""
+        import functools
+
+        if self.gpu:
+            raise ExportError(f"--no-host-gemm applies to the CPU (llvm); target {self.name!r} never calls the host "
+                              "GEMM")
+        return replace(self, schedule_func=functools.partial(self.schedule_func, host_gemm=False))
+
     def describe(self) -> str:
         return str(self.tvm())
 

@@ -330,8 +330,10 @@ def _call_host_gemm(func, operands, outer):
         HOST_GEMM_ATTR, True)
 
 
-def schedule_func(func):
-    """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled."""
+def schedule_func(func, host_gemm: bool = True):
+    """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled. Without
+    `host_gemm` (`compile --no-host-gemm`) a packed matmul over symbolic rows runs its own loops for every row count,
+    so the library needs no function of k3compile's runtime (a plain TVM runtime runs all of it)."""
     import tvm
 
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
@@ -343,7 +345,8 @@ def schedule_func(func):
         return func
     _inline_intermediates(sch, root)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) if "k3_packed_matmul" in names else None
+    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) \
+        if host_gemm and "k3_packed_matmul" in names else None
     for name in names:
         if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)

@@ -23,6 +23,10 @@ from k3compile.modes import DENSE_CHOICES
               help="On a CPU target, also build decode.so: the decode step at batch 1 (one token, `generate`'s and "
                    "a lone client's) with static shapes, which the VM runs with fewer calls (k3-small: ~6% faster; "
                    "about as long to build again as the library).")
+@click.option("--host-gemm/--no-host-gemm", "host_gemm", default=True, show_default=True,
+              help="On a CPU target, prefill matmuls of 512 rows or more call numpy's BLAS through k3compile's runtime "
+                   "(the host GEMM: faster from there). --no-host-gemm keeps every row in the compiled kernels, so a "
+                   "plain TVM runtime runs the whole library.")
 @click.option("--tune", "tune", type=IntRange(0, 100_000), default=0, show_default=True, metavar="N",
               help="Tune decode.so's functions with N meta_schedule trials in all (at most 100000); 0: no tuning. "
                    "Minutes: each builder worker starts in ~1 minute.")
@@ -33,7 +37,8 @@ from k3compile.modes import DENSE_CHOICES
               help="With --mesh: how a stage's ranks join their expert slices (see `k3compile export --help`).")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, dense, overwrite, dump_ir, decode_library, tune, mesh, dispatch, as_json, quiet):
+def command(folder, out, target, dense, overwrite, dump_ir, decode_library, host_gemm, tune, mesh, dispatch, as_json,
+            quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
@@ -41,6 +46,8 @@ def command(folder, out, target, dense, overwrite, dump_ir, decode_library, tune
 
     with user_errors():
         target = resolve(target)  # once, here: the library takes the Target
+        if not host_gemm:
+            target = target.without_host_gemm()
     if mesh is not None:
         if dump_ir or tune or dense != "auto":
             raise click.UsageError("--dump-ir, --tune and --dense-weights do not apply to --mesh (its ranks store "

@@ -290,6 +290,26 @@ def test_prefill_rows_go_through_the_host_gemm_and_equal_eager(tiny_export, tvm_
     assert all(r["max_abs"] <= ATOL for r in got), [r for r in got if not r["max_abs"] <= ATOL][:3]
 
 
+def test_no_host_gemm_builds_a_library_a_plain_tvm_runtime_runs_whole(tiny_export, tvm_artifact, tmp_path):
+    """`compile --no-host-gemm`: no kernel names k3compile's host GEMM (the default build's library does, which is
+    what makes the check able to fail), the manifest has no host_gemm record, and a prefill past HOST_GEMM_ROWS rows
+    runs the kernels' own loops and equals eager within ATOL; a GPU target refuses the flag."""
+    from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS
+
+    out = tmp_path / "plain"
+    res = run("compile", tiny_export[1], "-o", out, "--no-host-gemm", "--no-decode-library", "--json", "--quiet")
+    assert res.exit_code == 0, res.output
+    manifest = json.loads(res.stdout)
+    assert "host_gemm" not in manifest and "host_gemm" in tvm_artifact[0]
+    assert HOST_GEMM.encode() in (tvm_artifact[1] / "model.so").read_bytes()
+    assert HOST_GEMM.encode() not in (out / "model.so").read_bytes()
+    long = [(5 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS + 9)]
+    got = compare(EagerBackend(tiny_export[0], Forms.exported()), TvmBackend(out), decode_steps=1, prompts=[long])
+    assert all(r["max_abs"] <= ATOL for r in got), [r for r in got if not r["max_abs"] <= ATOL][:3]
+    one_line_error(run("compile", tiny_export[1], "-o", tmp_path / "gpu", "--target", "opencl", "--no-host-gemm"),
+                   "--no-host-gemm applies to the CPU")
+
+
 @pytest.mark.parametrize("damage,msg", [
     (lambda d: (d / "weights.safetensors").write_bytes((d / "weights.safetensors").read_bytes()[:-1] + b"\x00"),
      "sha256 differs"),

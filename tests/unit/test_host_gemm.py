@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 tvm = pytest.importorskip("tvm")
 
-from k3compile.targets.llvm import HOST_GEMM_ROWS, schedule_func  # noqa: E402
+from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS, schedule_func  # noqa: E402
 
 from k3compile import host_gemm  # noqa: E402
 
@@ -74,9 +74,9 @@ def counted(monkeypatch):
     return calls
 
 
-def _matmul(rows, k, n, stored):
+def _matmul(rows, k, n, stored, host=True):
     """The packed dense matmul as phase 2 emits it, over `rows` (an int, or None: symbolic), scheduled for the CPU
-    and built."""
+    (`host`: with the host GEMM's branch where it applies) and built."""
     from k3compile.passes.pack_dense_weights import packed_matmul_te
     from tvm import te
 
@@ -84,7 +84,7 @@ def _matmul(rows, k, n, stored):
     x = te.placeholder((m, k), "float32", name="x")
     wp = te.placeholder((n // 64, k, 64), stored, name="wp")
     y = packed_matmul_te(x, wp, 64)
-    func = schedule_func(te.create_prim_func([x, wp, y]))
+    func = schedule_func(te.create_prim_func([x, wp, y]), host_gemm=host)
     return func, tvm.compile(tvm.IRModule({"main": func}), target="llvm")["main"]
 
 
@@ -100,6 +100,21 @@ def test_the_kernel_calls_the_host_gemm_from_host_gemm_rows_on(counted, stored):
         kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
         _check(y.numpy(), x, w64)
     assert counted == [(HOST_GEMM_ROWS, k), (HOST_GEMM_ROWS + 13, k)]
+
+
+def test_without_the_host_gemm_every_row_count_runs_the_kernels_loops(counted):
+    """schedule_func(host_gemm=False) (`compile --no-host-gemm`): over symbolic rows no branch to the host GEMM, at
+    any row count, and the products those loops give."""
+    k, n = 96, 128
+    func, kernel = _matmul(None, k, n, "uint16", host=False)
+    assert "k3.host_gemm" not in (func.attrs or {}) and HOST_GEMM not in func.script()
+    rng = np.random.default_rng(2)
+    for rows in (1, 5, HOST_GEMM_ROWS, HOST_GEMM_ROWS + 13):
+        x, wp, w64 = _operands(rng, (rows,), k, n, 64, "uint16")
+        y = tvm.runtime.empty((rows, n), "float32")
+        kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(wp), y)
+        _check(y.numpy(), x, w64)
+    assert counted == []
 
 
 def test_a_static_matmul_never_calls_the_host_gemm(counted):
