@@ -317,14 +317,14 @@ class Rank:
             presents.append(outs[head:])
         present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
         if self.p.last:
-            last = self.gathered((logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1], pick_across is not None)
+            mine = (logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1]
+            last = self.whole_logits(mine) if pick_across is None else self.gathered(mine, argmax=True)
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
         sources = [s for s in self.schedule if s["op"] == "broadcast"]
         for s, (lo, hi, padded) in zip(sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
-            if self.p.rank == s["from"]:  # a list: the tp ranks' pieces (Rank.gathered)
-                buf.copy_(pick(last) if not isinstance(last, list) else pick_across(last) if pick_across
-                          else pick(torch.cat(last, dim=-1)))
+            if self.p.rank == s["from"]:  # a list: the tp ranks' argmax rows (Rank.gathered)
+                buf.copy_(pick_across(last) if isinstance(last, list) else pick(last))
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, present

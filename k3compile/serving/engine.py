@@ -97,6 +97,11 @@ class _Row:
         self.request, self.token = request, token
 
 
+def _pick(request: Request, last) -> int:
+    """The next token of `request`'s row from its last logits [1, V], with its own sampling and generator."""
+    return int(pick_next(last, request.sampling.temperature, request.sampling.top_p, request.generator)[0])
+
+
 class Engine:
     def __init__(self, backend, tokenizer=None, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int | None = None, cache=None, metrics=None) -> None:
@@ -254,18 +259,21 @@ class Engine:
                 request.emit(Event("error", message="prefill: the model produced non-finite logits (NaN or Inf); "
                                                     "check the weights"))
                 continue
-            token = int(pick_next(last[i:i + 1], request.sampling.temperature, request.sampling.top_p,
-                                  request.generator)[0])
+            token = _pick(request, last[i:i + 1])
             if not self._accept(request, token):
                 keep.append((i, _Row(request, token)))
-        if not keep:
-            return
-        row = take_rows(self.config, on_host(self.backend, past), mask, [i for i, _ in keep])
+        if keep:
+            self._join(take_rows(self.config, on_host(self.backend, past), mask, [i for i, _ in keep]),
+                       [r for _, r in keep])
+
+    def _join(self, state: tuple, rows: list[_Row]) -> None:
+        """Prefilled rows (`state`: their (past, mask) on the host) join the running batch (state.join_rows: left
+        padding)."""
         if self._rows:
-            self._past, self._mask = join_rows(self.config, [(on_host(self.backend, self._past), self._mask), row])
+            self._past, self._mask = join_rows(self.config, [(on_host(self.backend, self._past), self._mask), state])
         else:
-            self._past, self._mask = row
-        self._rows += [r for _, r in keep]
+            self._past, self._mask = state
+        self._rows += rows
 
     def _begin(self, request: Request) -> None:
         prefill = RowPrefill(self.backend, request.prompt, self.prefill_chunk, self.cache)
@@ -283,15 +291,9 @@ class Engine:
         last = prefill.logits
         if not bool(torch.isfinite(last).all()):
             raise GenerationError("prefill: the model produced non-finite logits (NaN or Inf); check the weights")
-        token = int(pick_next(last, request.sampling.temperature, request.sampling.top_p, request.generator)[0])
-        if self._accept(request, token):
-            return
-        row = (on_host(self.backend, prefill.past), prefill.mask)
-        if self._rows:
-            self._past, self._mask = join_rows(self.config, [(on_host(self.backend, self._past), self._mask), row])
-        else:
-            self._past, self._mask = row
-        self._rows.append(_Row(request, token))
+        token = _pick(request, last)
+        if not self._accept(request, token):
+            self._join((on_host(self.backend, prefill.past), prefill.mask), [_Row(request, token)])
 
     def _decode(self) -> None:
         ids = torch.tensor([[r.token] for r in self._rows], dtype=torch.long)
@@ -308,8 +310,7 @@ class Engine:
                                                     "non-finite logits (NaN or Inf); check the weights"))
                 finished.append(i)
                 continue
-            token = int(pick_next(last[i:i + 1], request.sampling.temperature, request.sampling.top_p,
-                                  request.generator)[0])
+            token = _pick(request, last[i:i + 1])
             row.token = token
             if self._accept(request, token):
                 finished.append(i)
