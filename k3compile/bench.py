@@ -604,8 +604,7 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
     from k3compile.threads import available_cores
 
     step = progress or (lambda msg: None)
-    runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 and Mesh.parse(m).tp == 1
-                                             else ("all_reduce",))]  # tp > 1: the all-reduce dispatch only
+    runs = [(m, d) for m in meshes for d in (dispatches if Mesh.parse(m).ep > 1 else ("all_reduce",))]
     config = load_config(source)
     for m, d in runs:  # every mesh refused before the first is built
         mesh = make_plan(config, Mesh.parse(m), d).mesh

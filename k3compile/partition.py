@@ -103,12 +103,13 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
     """A model holding exactly rank p's tensors (the rest of the decoder is left out): its layers, their expert
     slice (`sliced`), the embedding on the first stage, the head on the last, with tp > 1 its share of the heads,
     intermediate widths and vocabulary (`state` already cut: sharding/tensor.py). Sliced MoE layers join the other
-    slices as `plan.dispatch` says: all-reduce (the default) or all-to-all; split attention and MLPs sum over the
-    tp group."""
+    slices as `plan.dispatch` says: all-reduce (the default) or all-to-all (with tp > 1 each rank dispatching its
+    share of its row group's slots, the shares' sums all-reduced over the tp group); split attention and MLPs sum
+    over the tp group."""
     from k3compile.model.mlp import GatedMLP
     from k3compile.model.moe import RoutedExperts
     from k3compile.ops.collectives import all_reduce
-    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT, AR_LATENT_IN
+    from k3compile.sharding.plan import AR_ATTENTION, AR_EMBED, AR_FFN, AR_LATENT, AR_LATENT_IN, AR_ROUTED
     from k3compile.sharding.tensor import rank_config, shared_width, vocab_slice
 
     rcfg = rank_config(cfg, p.tp)
@@ -161,7 +162,9 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
                     ffn.reduce = _Reduce(all_reduce, i, AR_FFN)
         if sliced and moe is not None:
             if plan is not None and plan.dispatch == "all_to_all":
-                moe.exchange = _Exchange(i, plan.slices)
+                moe.exchange = _Exchange(i, plan.slices, p.tensor, p.tp)
+                if p.tp > 1:  # each rank of the group dispatched its share of the slots: their sum
+                    moe.reduce = _Reduce(all_reduce, i, AR_ROUTED)
             else:
                 moe.reduce = _Reduce(all_reduce, i, AR_LATENT)
     return model.eval()
@@ -213,10 +216,14 @@ class _Exchange:
     expert id and weight (one fp32 row: plan.A2A_PARTS) go to the rank holding that expert, in one block per
     destination with room for all of this rank's slots (static shapes, nothing dropped; slots for other ranks are
     zero, id -1); each rank runs its experts on what arrives (MoE.routed_local) and sends the weighted outputs back,
-    where each token sums its slots. The runtime moves only the routed rows (runtime/worker.py, Rank._exchange)."""
+    where each token sums its slots. The runtime moves only the routed rows (runtime/worker.py, Rank._exchange).
+    With tp > 1 the tp ranks of a row group share its rows: rank t dispatches only the slots j (of the rows' n·k,
+    flattened) with j mod tp = t (plan.slot_share), the others go nowhere (id -1), and its sum is that share's, which
+    MoE.reduce sums over the group (AR_ROUTED)."""
 
-    def __init__(self, tag: int, slices: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, tag: int, slices: tuple[tuple[int, int], ...], t: int = 0, tp: int = 1) -> None:
         self.tag, self.bounds, self.group = tag, [b for _, b in slices[:-1]], len(slices)
+        self.t, self.tp = t, tp
 
     def __call__(self, moe, z: Tensor, idx: Tensor, w: Tensor, act_quant) -> Tensor:
         from k3compile.ops.collectives import all_to_all
@@ -225,6 +232,10 @@ class _Exchange:
         g, d = self.group, z.shape[-1]
         owner = (idx.unsqueeze(-1) >= torch.tensor(self.bounds, dtype=idx.dtype)).sum(-1)  # [n, k]: its rank
         hit = owner.unsqueeze(0) == torch.arange(g, dtype=owner.dtype).view(g, 1, 1)  # [g, n, k]
+        if self.tp > 1:  # this rank's share of the row group's slots
+            row = torch.ones_like(idx).cumsum(0) - 1  # [n, k]: each slot's row (n is symbolic: no arange over it)
+            mine = (row * k + torch.arange(k, dtype=idx.dtype)) % self.tp == self.t  # slot j = row · k + its place
+            hit = hit & mine.unsqueeze(0)
         vectors = torch.where(hit.unsqueeze(-1), z.float().view(1, n, 1, d), 0.0)
         ids = torch.where(hit, idx.unsqueeze(0), -1).float()  # exact in fp32 below 2**24: .long() gives them back
         weights = torch.where(hit, w.float().unsqueeze(0), 0.0)

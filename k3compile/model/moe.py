@@ -14,7 +14,9 @@ A model may hold a contiguous slice [a, b) of every layer's routed experts (expe
 "Sharding"): the dispatch then sums that slice only, and `MoE.reduce`, when set, turns the slice's partial latent
 sum into the sum over all experts (an all-reduce across the ranks holding the other slices) before the latent norm.
 `MoE.exchange`, when set instead, replaces the routed sum: it sends the latent tokens to the ranks holding their
-experts and sums what comes back (all-to-all dispatch and combine), calling `routed_local` for this rank's slice.
+experts and sums what comes back (all-to-all dispatch and combine), calling `routed_local` for this rank's slice;
+with tensor parallelism it sends only this rank's share of the slots, and `MoE.reduce` then sums the tp group's
+shares.
 With tensor parallelism a latent MoE's projections hold a rank's share of their input columns (partition.py,
 InputSliceLinear): down's partial latent is summed over the tp group inside it, and up's partial output, with the
 shared experts' partial output, by `MoE.out_reduce` (one sum of both).

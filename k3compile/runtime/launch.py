@@ -75,7 +75,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     need = plan.mesh.dp * len(plan.token_sources(0))
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
-                           "(every replica, and with all-to-all every rank of a stage, decodes at least one)")
+                           "(every replica, and with all-to-all every row group of a stage, decodes at least one)")
     check_wire(plan, options.wire, folder)
     if options.micro_batches > 1:
         rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica

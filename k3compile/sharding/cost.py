@@ -27,6 +27,7 @@ from k3compile.sharding.plan import (
     carry_names,
     make_plan,
     slice_runs,
+    slot_share,
 )
 from k3compile.sharding.tensor import ARGMAX_BYTES
 
@@ -124,27 +125,29 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
                greedy: bool = False) -> dict[str, int]:
     """Payload bytes rank `rank` sends in one decode step of a `batch`-row batch (over the whole mesh), by collective
     (the schedule's all_reduce / all_to_all / send / broadcast); `dtype_bytes` is the activations' element size (4:
-    the runtime's fp32). An all-to-all counts the blocks that leave the rank: (ep - 1) of its ep blocks. `width`:
+    the runtime's fp32). An all-to-all counts the rows that leave the rank (below). `width`:
     the vectors an all-to-all moves (default the latent width; the hidden width prices full-width dispatch);
     `wire_bytes`: their element size on the all-to-all's wire (default `dtype_bytes`; `run --wire-dtype`). An
     all-reduce counts its tensor: a MoE layer's latent partial sums [rows, D_e], with tp > 1 an attention's or an
     MLP's (or MoE layer's) output [rows, D] and a latent MoE's down projection [rows, D_e] (`tp_key`: those also
-    apart, as "all_reduce_tp", for their ring of tp ranks); with tp > 1
+    apart, as "all_reduce_tp", for their ring of tp ranks; with the all-to-all a MoE layer's routed sums [rows, D_e]
+    too); with tp > 1
     the embedding's lookups [rows, D] on the first stage, and a gather of the last position's logits of each rank's
     vocabulary slice [rows, V / tp] from the token source's tensor-parallel group (the source's own piece does not
     cross), or with `greedy` (temperature 0: a distributed argmax) only each slice's candidate, ARGMAX_BYTES a row.
 
     The all-to-all's figure is an expectation under uniform routing (each slot on expert e with probability 1/E):
-    per MoE layer a count to each other rank (int64), then the slots routed off this rank (the share of experts
-    others hold) out, each a latent vector and its fp32 expert id and weight, and the outputs of the slots that the
-    other ranks' equal row counts route here, back; each call's expectation in whole bytes (rounded, exactly:
-    Fraction)."""
+    per MoE layer a count to each other rank of the stage (int64), then the slots it dispatches (all its row group's,
+    or with tp > 1 its share, plan.slot_share) that are routed off this rank (the share of experts others hold) out,
+    each a latent vector and its fp32 expert id and weight, and back the outputs of the slots that the other ranks
+    dispatch (every row group's equal row count) and route here; each call's expectation in whole bytes (rounded,
+    exactly: Fraction)."""
     rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry (padding rows are routed too)
-    slots = rows * cfg.num_experts_per_token
-    ep = plan.mesh.ep
+    slots = rows * cfg.num_experts_per_token  # its row group's
+    own = slot_share(slots, plan.rank(rank).tensor, plan.mesh.tp)  # those it dispatches (all of them at tp = 1)
     lo, hi = plan.rank(rank).experts
     here = Fraction(hi - lo, cfg.num_experts) if cfg.num_experts else Fraction(0)
-    moved = {"dispatch": 1 - here, "outputs": (ep - 1) * here}
+    moved = {"dispatch": own * (1 - here), "outputs": (plan.mesh.ep * slots - own) * here}  # every group's slots
     width = width or cfg.latent_size
     wire = wire_bytes or dtype_bytes
     a2a = {"dispatch": width * wire + 2 * 4, "outputs": width * wire}  # per token slot (the id and weight: fp32)
@@ -158,8 +161,8 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
                     if tp_key and c["part"] != AR_LATENT:
                         out["all_reduce_tp"] = out.get("all_reduce_tp", 0) + rows * width_of * dtype_bytes
                 else:
-                    counts = (ep - 1) * COUNT_BYTES if c["tensor"] == "dispatch" else 0
-                    out["all_to_all"] += counts + round(slots * moved[c["tensor"]] * a2a[c["tensor"]])
+                    counts = (plan.mesh.group - 1) * COUNT_BYTES if c["tensor"] == "dispatch" else 0
+                    out["all_to_all"] += counts + round(moved[c["tensor"]] * a2a[c["tensor"]])
         elif step["op"] == "send":
             out["send"] += len(step["tensors"]) * rows * cfg.hidden_size * dtype_bytes
         elif step["op"] == "broadcast" and step["from"] == rank:
@@ -235,14 +238,17 @@ def alike_ranks(plan: ShardPlan, batch: int) -> list[tuple[int, int]]:
     """(lowest rank, count) of each class of ranks that hold and move the same bytes for a `batch`-row batch: a
     rank's figures depend only on its stage, the length of its expert slice, its replica's row count, whether it
     broadcasts the new tokens and (tp > 1) whether it is of the token source's tensor-parallel group (it gathers its
-    logits there). At most 2 (row counts: even_slices) x 8 (slice lengths x broadcasting x gathering) classes a
-    stage, whatever the mesh's size: pricing every rank took minutes for 1024 devices."""
+    logits there), and with the all-to-all at tp > 1 its t (its share of its row group's slots). At most 2 (row
+    counts: even_slices) x 8 (slice lengths x broadcasting x gathering) classes a stage (x tp with that share),
+    whatever the mesh's size: pricing every rank took minutes for 1024 devices."""
     mesh = plan.mesh
     sources = {mesh.coords(r)[2] for r in plan.token_sources(0)}  # the same shards in every replica
     gathers = {g for g in range(mesh.group) if mesh.tp > 1 and any(g // mesh.tp == x // mesh.tp for x in sources)}
-    shards: dict[tuple[int, bool, bool], list[int]] = {}  # (slice length, broadcasts, gathers) -> [first, count]
+    # with the all-to-all and tp > 1 a rank's t also sets its share of its row group's slots (slot_share)
+    share = (lambda g: g % mesh.tp) if plan.dispatch == "all_to_all" and mesh.tp > 1 else (lambda g: 0)
+    shards: dict[tuple, list[int]] = {}  # (slice length, broadcasts, gathers, share) -> [first, count]
     for e, (a, b) in enumerate(plan.slices):
-        shards.setdefault((b - a, e in sources, e in gathers), [e, 0])[1] += 1
+        shards.setdefault((b - a, e in sources, e in gathers, share(e)), [e, 0])[1] += 1
     return [(mesh.rank(d, s, e), replicas * n) for _, d, replicas in slice_runs(batch, mesh.dp)
             for s in range(mesh.pp) for e, n in shards.values()]
 
@@ -290,7 +296,7 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             {k: v * part / b for k, v in moved.items()}, mesh, device)
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
-    if mesh.ep > 1 and mesh.tp == 1:  # the other dispatch on the same mesh, at latent and at hidden width
+    if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
         other = make_plan(cfg, mesh, "all_to_all")
         latent = full = 0
         for r, count in alike_ranks(other, batch):

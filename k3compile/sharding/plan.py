@@ -16,10 +16,13 @@ closed blocks' summaries (`carry_names`). Two ways to join the expert slices (`d
 
 - "all_reduce": every rank of a stage computes all of its replica's rows; each MoE layer's latent partial sums are
   all-reduced (latent width, before the latent norm). Best for the small batches of decode.
-- "all_to_all": the ranks of a stage split the replica's rows (`rank_rows`, padded to one count: static shapes);
-  each MoE layer sends every token slot's latent vector, expert id and weight (one row) to the rank holding that
-  expert and the weighted outputs come back. The graph's buffers have room for all of the sender's slots (static shapes,
-  nothing is dropped); on the wire only the routed rows move, after a count per destination (runtime/worker.py).
+- "all_to_all": the ep row groups of a stage split the replica's rows (`rank_rows`, padded to one count: static
+  shapes; with tp > 1 the tp ranks of a group share its rows); each MoE layer sends every token slot's latent
+  vector, expert id and weight (one row) to the rank holding that expert and the weighted outputs come back. The
+  graph's buffers have room for all of the sender's slots (static shapes, nothing is dropped); on the wire only the
+  routed rows move, after a count per destination (runtime/worker.py). With tp > 1 each rank of a group sends its
+  share of the slots (`slot_share`: slot j of the rows' n·k goes from rank j mod tp), and the group all-reduces
+  its ranks' routed sums (AR_ROUTED) before the latent norm.
 
 `schedule(rank)` is a rank's step: receive the carry, run its layers (with those collectives), send the carry on,
 then the new tokens are broadcast from the last stage. The plan imports neither TVM nor the weights; the manifest
@@ -158,9 +161,18 @@ A2A_ID_COLUMN = -2  # where a dispatch row holds its expert id
 # with tp > 1 over the tensor-parallel group the attention's output partial sums, the dense MLP's / a MoE layer's
 # output partial sums (the shared experts' and the latent up projection's), the embedding's (tag 0: each rank looks
 # up the ids of its vocabulary slice) and a latent MoE's down projection's (its input: the latent the experts take).
-AR_PARTS = ("latent_partial_sum", "attention_output", "ffn_output", "embedding_output", "latent_input")
-AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED, AR_LATENT_IN = range(len(AR_PARTS))
-AR_LATENT_WIDTH = (AR_LATENT, AR_LATENT_IN)  # the parts summed at the latent width D_e (the others at D)
+# With the all-to-all and tp > 1, a MoE layer's routed sums (each rank of a tensor-parallel group dispatched its share
+# of the group's slots) are summed over the group before the latent norm (routed_partial_sum, at the latent width).
+AR_PARTS = ("latent_partial_sum", "attention_output", "ffn_output", "embedding_output", "latent_input",
+            "routed_partial_sum")
+AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED, AR_LATENT_IN, AR_ROUTED = range(len(AR_PARTS))
+AR_LATENT_WIDTH = (AR_LATENT, AR_LATENT_IN, AR_ROUTED)  # the parts summed at the latent width D_e (the others at D)
+
+
+def slot_share(slots: int, t: int, tp: int) -> int:
+    """How many of a row group's `slots` token slots (rows x top-k, flattened) rank t of its tp ranks dispatches with
+    the all-to-all: those j with j mod tp = t (partition._Exchange)."""
+    return len(range(t, slots, tp))
 
 
 @dataclass(frozen=True)
@@ -197,14 +209,17 @@ class ShardPlan:
 
     def token_sources(self, d: int) -> list[int]:
         """The ranks that pick replica d's next tokens and broadcast them: the last stage's first shard (all_reduce:
-        it has every row), or each shard of the last stage for its own rows (all_to_all)."""
-        shards = range(self.mesh.ep) if self.dispatch == "all_to_all" else range(1)
-        return [self.mesh.rank(d, self.mesh.pp - 1, e) for e in shards]
+        it has every row), or the first shard of each of the last stage's row groups for its rows (all_to_all: ep
+        groups of tp ranks)."""
+        groups = range(self.mesh.ep) if self.dispatch == "all_to_all" else range(1)
+        return [self.mesh.rank(d, self.mesh.pp - 1, e * self.mesh.tp) for e in groups]
 
     def rank_rows(self, batch: int, r: int) -> tuple[int, int, int]:
         """(first row, end row, padded count) of a batch of `batch` rows that rank r computes: its replica's rows,
-        or with all_to_all its shard's part of them, padded to the group's largest part (static buffers)."""
-        d, _, e = self.mesh.coords(r)
+        or with all_to_all its row group's part of them (shard g is of group g // tp), padded to the largest part
+        (static buffers)."""
+        d, _, g = self.mesh.coords(r)
+        e = g // self.mesh.tp
         lo, hi = even_slice(batch, self.mesh.dp, d)
         if self.dispatch != "all_to_all":
             return lo, hi, hi - lo
@@ -237,14 +252,18 @@ class ShardPlan:
                 if self.dispatch == "all_to_all":
                     calls += [{"op": "all_to_all", "tag": i, "part": k, "tensor": what, "group": group}
                               for k, what in enumerate(A2A_PARTS)]
+                    if mesh.tp > 1:  # the group's ranks each dispatched a share of its slots
+                        calls.append({"op": "all_reduce", "tag": i, "part": AR_ROUTED,
+                                      "tensor": AR_PARTS[AR_ROUTED], "group": tp})
                 else:
                     calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT, "tensor": AR_PARTS[AR_LATENT],
                                   "group": group})
             if mesh.tp > 1 and (i not in self.moe_layers or cfg.num_shared_experts or cfg.is_latent_moe):
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_FFN, "tensor": AR_PARTS[AR_FFN], "group": tp})
         steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": calls})
-        if mesh.tp > 1 and p.last and self.token_sources(p.replica)[0] in tp:  # its vocabulary's logits to the source
-            steps.append({"op": "gather", "to": self.token_sources(p.replica)[0], "group": tp, "tensors": ["logits"]})
+        source = next((x for x in self.token_sources(p.replica) if x in tp), None)  # of this tp group, if any
+        if mesh.tp > 1 and p.last and source is not None:  # its vocabulary's logits to the source
+            steps.append({"op": "gather", "to": source, "group": tp, "tensors": ["logits"]})
         if not p.last:
             steps.append({"op": "send", "to": mesh.rank(p.replica, p.stage + 1, p.shard),
                           "tensors": carry_names(cfg, b)})
@@ -308,9 +327,6 @@ def make_plan(cfg: K3Config, mesh: Mesh, dispatch: str = "all_reduce") -> ShardP
                         "would hold none)")
     if mesh.tp > 1:
         check_tp(cfg, mesh, moe)
-        if dispatch == "all_to_all":
-            raise PlanError(f"mesh {mesh}: the all-to-all dispatch does not run with tp > 1 yet (the tp ranks of a "
-                            "shard share its rows); use --dispatch all-reduce")
     if mesh.pp > cfg.num_hidden_layers:
         raise PlanError(f"mesh {mesh}: {cfg.num_hidden_layers} layers cannot be split into pp={mesh.pp} stages")
     return ShardPlan(mesh, tuple(stage_cuts(cfg, mesh.pp)), tuple(even_slices(cfg.num_experts, mesh.group)), moe,

@@ -35,11 +35,13 @@ A2A = "all-to-all"
 # Eight artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2)
 # and uneven (ep=3: 8 experts as 3 + 3 + 2), stages with slices (ep=2,pp=2: the AttnRes carry between stages), the
 # checkpoint of the family over stages and slices, all-to-all dispatch on uneven slices, tensor parallelism with
-# expert parallelism (tp groups of 2, the experts over the 4 ranks) and over stages, and data parallel replicas
-# (test_data_parallel_replicas_decode_their_rows). tp=2 alone and a transformers-built checkpoint under tp: tests/
-# unit/test_tensor_parallel.py (eager ranks); tp=2 alone built was checked by hand (its tokens equal eager's).
+# expert parallelism and the all-to-all (2 row groups of 2 tp ranks, each dispatching half its group's slots, the
+# experts over the 4 ranks) and over stages, and data parallel replicas (test_data_parallel_replicas_decode_their_
+# rows). tp=2 alone, tp=2,ep=2 with the all-reduce dispatch and a transformers-built checkpoint under tp (both
+# dispatches): tests/unit/test_tensor_parallel.py (eager ranks); tp=2 alone and tp=2,ep=2 all-reduce built were
+# checked by hand and by earlier suites (their tokens equal eager's).
 CASES = [("k3-tiny", "ep=2", "all-reduce"), ("k3-tiny", "ep=3", "all-reduce"), ("k3-tiny", "ep=2,pp=2", "all-reduce"),
-         ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A), ("k3-tiny", "tp=2,ep=2", "all-reduce"),
+         ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A), ("k3-tiny", "tp=2,ep=2", A2A),
          ("k3-tiny", "tp=2,pp=2", "all-reduce")]
 # Decode states after 32 steps, distributed vs one process: the expert-parallel all-reduce adds the slices' partial
 # sums (and tensor parallelism the heads' and widths' partial sums), where one process sums all experts in one
@@ -135,55 +137,59 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4, gree
     dispatch: per decode step a rank all-reduces one [rows, latent] fp32 tensor per MoE layer of its stage when
     ep > 1, sends every carry tensor ([rows, 1, hidden] fp32: the residual and the AttnRes summaries closed before
     its last layer) to the next stage, and the last stage's first shard broadcasts the rows' int64 tokens.
-    All-to-all: a rank holds ceil(rows / ep) rows (padded by repeating its last), and per MoE layer sends each of
-    the ep - 1 others an int64 count, then exactly the slots eager's router (`routing`: decode_routing) sends to
-    experts outside its slice (a row of the fp32 latent vector, expert id and weight each), and back the fp32 outputs
-    of the slots the other ranks' rows route into its slice; every shard of the last stage broadcasts its rows'
-    tokens. `wire`: the bytes of a vector element on the all-to-all's wire (2 with `--wire-dtype bf16`, the id and
-    weight still 4 each). Tensor parallelism (tp > 1) adds per layer of the stage an fp32 [rows, hidden] all-reduce
-    of the attention's output and one of the dense MLP's or the MoE layer's output (shared experts, and in K3 the
-    latent up projection), in K3 per MoE layer an fp32 [rows, latent] all-reduce of its down projection's partial
-    latent, and the MoE layers' latent all-reduce runs over the ep x tp ranks of the stage; the first stage
-    all-reduces its [rows, hidden] embedding lookups (each rank holds a vocabulary slice), and the last stage's
-    shards 1 .. tp - 1 send shard 0
-    (the token source) their slice of the last position's logits, [rows, vocab / tp] fp32, or when decoding is greedy
-    only each row's greatest logit of the slice, its token id and the slice's non-finite count (3 float64)."""
-    d, s, e = plan.mesh.coords(rank)
+    All-to-all: the ep row groups (tp ranks each) hold ceil(rows / ep) rows (padded by repeating the last); per MoE
+    layer a rank sends each of the stage's other ranks an int64 count, then exactly those of the slots it dispatches
+    (its group's rows x top-k, flattened; with tp > 1 only the slots j with j mod tp = its t) that eager's router
+    (`routing`: decode_routing) sends to experts outside its slice (a row of the fp32 latent vector, expert id and
+    weight each), and back the fp32 outputs of the slots the other ranks dispatch into its slice; every row group's
+    first shard on the last stage broadcasts its rows' tokens. `wire`: the bytes of a vector element on the
+    all-to-all's wire (2 with `--wire-dtype bf16`, the id and weight still 4 each). Tensor parallelism (tp > 1) adds
+    per layer of the stage an fp32 [rows, hidden] all-reduce of the attention's output and one of the dense MLP's
+    or the MoE layer's output (shared experts, and in K3 the latent up projection), in K3 per MoE layer an fp32
+    [rows, latent] all-reduce of its down projection's partial latent, with the all-to-all per MoE layer an fp32
+    [rows, latent] all-reduce of the routed sums over the tp group, and with the all-reduce dispatch the MoE layers'
+    latent all-reduce runs over the ep x tp ranks of the stage; the first stage all-reduces its [rows, hidden]
+    embedding lookups (each rank holds a vocabulary slice), and on the last stage the other ranks of a token
+    source's tp group send it their slice of the last position's logits, [rows, vocab / tp] fp32, or when decoding
+    is greedy only each row's greatest logit of the slice, its token id and the slice's non-finite count (3
+    float64)."""
+    d, s, g = plan.mesh.coords(rank)
     a, b = plan.cuts[s], plan.cuts[s + 1]
     moe = sum(cfg.is_moe(i) for i in range(a, b))
     block = cfg.attn_res_block_size
     carry = 1 + (len([i for i in range(b) if i % block == 0]) if block else 0)
     last = s == plan.mesh.pp - 1
-    ep = plan.mesh.ep
-    if plan.dispatch == "all_to_all":
-        held = -(-rows // ep)
+    ep, tp = plan.mesh.ep, plan.mesh.tp
+    a2a = plan.dispatch == "all_to_all"
+    held = -(-rows // ep) if a2a else rows
+    latent = cfg.routed_expert_hidden_size is not None  # K3's latent MoE: its down projection is summed over tp too
+    split = (s == 0) + sum(1 + (not cfg.is_moe(i) or cfg.num_shared_experts > 0 or latent)
+                           for i in range(a, b)) if tp > 1 else 0  # embedding, attention and MLP / MoE outputs
+    latent_sums = (moe if tp > 1 and latent else 0) + (moe if tp > 1 and a2a else 0) + (
+        moe if ep * tp > 1 and not a2a else 0)  # down projection, routed sums over tp, or the stage's latent sums
+    source = g - g % tp if a2a else 0  # the token source of this rank's tp group, if it has one
+    moved = 0
+    if a2a:
         group = plan.ep_group(rank)
 
-        def owners(r, layer_ids):  # the shard holding each slot's expert, of rank r's rows padded
+        def dispatched(r, layer_ids):  # the shard holding each slot's expert, of the slots rank r dispatches
             lo, hi, padded = plan.rank_rows(rows, r)
             mine = layer_ids[list(range(lo, hi)) + [hi - 1] * (padded - (hi - lo))]
-            return sum((mine >= hi_e).long() for _, hi_e in plan.slices[:-1])
+            owner = sum((mine >= hi_e).long() for _, hi_e in plan.slices[:-1]).flatten()
+            return owner[plan.rank(r).tensor::tp]
 
-        moved = 0
         for step in routing:
             for i in range(a, b):
                 if cfg.is_moe(i):
-                    out = int((owners(rank, step[i]) != e).sum())
-                    back = sum(int((owners(r, step[i]) == e).sum()) for r in group if r != rank)
-                    moved += (ep - 1) * 8 + out * (cfg.latent_size * wire + 8) + back * cfg.latent_size * wire
-        return {"all_reduce": 0, "all_to_all": moved / len(routing),
-                "send": 0 if last else carry * held * cfg.hidden_size * 4, "broadcast": held * 8 if last else 0,
-                "gather": 0}
-    tp = plan.mesh.tp  # the embedding's lookups, each layer's attention output and its dense MLP's or MoE output
-    latent = cfg.routed_expert_hidden_size is not None  # K3's latent MoE: its down projection is summed over tp too
-    split = (s == 0) + sum(1 + (not cfg.is_moe(i) or cfg.num_shared_experts > 0 or latent)
-                           for i in range(a, b)) if tp > 1 else 0
-    down = moe if tp > 1 and latent else 0
-    return {"all_reduce": (moe if ep * tp > 1 else 0) * cfg.latent_size * rows * 4 + split * rows * cfg.hidden_size * 4
-            + down * cfg.latent_size * rows * 4,
-            "all_to_all": 0, "send": 0 if last else carry * rows * cfg.hidden_size * 4,
-            "broadcast": rows * 8 if last and e == 0 else 0,
-            "gather": rows * (24 if greedy else cfg.vocab_size // tp * 4) if last and 0 < e < tp else 0}  # to shard 0
+                    out = int((dispatched(rank, step[i]) != g).sum())
+                    back = sum(int((dispatched(r, step[i]) == g).sum()) for r in group if r != rank)
+                    moved += (len(group) - 1) * 8 + out * (cfg.latent_size * wire + 8) + back * cfg.latent_size * wire
+        moved /= len(routing)
+    return {"all_reduce": (latent_sums * cfg.latent_size + split * cfg.hidden_size) * held * 4,
+            "all_to_all": moved, "send": 0 if last else carry * held * cfg.hidden_size * 4,
+            "broadcast": held * 8 if last and g == source else 0,
+            "gather": held * (24 if greedy else cfg.vocab_size // tp * 4)
+            if last and tp > 1 and g != source and g // tp == source // tp else 0}
 
 
 @pytest.mark.parametrize("model,mesh,dispatch", CASES)
@@ -320,7 +326,7 @@ def check_decode(folder, dispatch, eager, tvm, tmp_path, micro_batches: int = 1)
         else:  # the plan's all-to-all is an expectation under uniform routing; the rest is exact
             assert {k: v for k, v in predicted.items() if k != "all_to_all"} == \
                 {k: v for k, v in rule.items() if k != "all_to_all"}, row
-            full = plan.mesh.ep - 1  # the static buffers: every slot to every other rank, both ways
+            full = plan.mesh.group - 1  # the static buffers: every slot to every other rank, both ways
             slots = -(-row["rows"] // plan.mesh.ep) * cfg.num_experts_per_token
             buffers = sum(cfg.is_moe(i) for i in range(*plan.rank(row["rank"]).layers)) * full * slots * (
                 cfg.latent_size * 2 + 2) * 4
@@ -847,7 +853,7 @@ def _verify_json(folder, *args) -> tuple[int, dict | None, str]:
     return res.returncode, json.loads(res.stdout) if res.stdout.strip() else None, res.stderr
 
 
-@pytest.mark.parametrize("mesh,dispatch", [("ep=2,pp=2", "all-reduce"), ("ep=3", A2A), ("tp=2,ep=2", "all-reduce")])
+@pytest.mark.parametrize("mesh,dispatch", [("ep=2,pp=2", "all-reduce"), ("ep=3", A2A), ("tp=2,ep=2", A2A)])
 def test_verify_compares_a_sharded_artifact_with_eager_and_fails_past_tolerance(sharded, mesh, dispatch):
     """`verify OUT` on export --mesh's folder: its ranks against eager, every position's logits and every layer's
     state at each step (fetched from the ranks), then the same run with a tolerance below its own worst row fails."""

@@ -98,7 +98,7 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     step = max(sum(stages[(d, s)] for s in range(mesh.pp)) for d in range(mesh.dp))
     latent = full = 0
-    if mesh.ep > 1 and mesh.tp == 1:
+    if mesh.ep > 1:
         other = make_plan(cfg, mesh, "all_to_all")
         for p in other.ranks():
             latent += cost.step_bytes(cfg, other, p.rank, batch, w)["all_to_all"]

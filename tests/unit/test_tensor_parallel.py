@@ -31,22 +31,26 @@ ATOL = 1e-5
 
 
 def threaded(cfg, source: RankSource, plan, fn) -> dict:
-    """fn(model, whole) on every rank of plan's single stage, each in a thread; the collectives sum the tensors the
-    threads of the call's group hand in (part 0: the stage's ep · tp ranks, else the tp group), and whole(logits)
-    joins the tp group's vocabulary slices in t order. {rank: result}."""
+    """fn(model, whole, rank) on every rank of plan's single stage, each in a thread; the all-reduces sum the tensors
+    the threads of the call's group hand in (part 0: the stage's ep · tp ranks, else the tp group), an all-to-all
+    gives each rank the blocks the stage's ranks address to it, and whole(logits) joins the tp group's vocabulary
+    slices in t order. {rank: result}."""
     mesh = plan.mesh
     assert mesh.pp == mesh.dp == 1
     local, barrier, handed, out = threading.local(), threading.Barrier(mesh.size), {}, {}
     calls: dict[int, list] = {r: [] for r in range(mesh.size)}
 
     def collective(op, x, result, tag, part):
-        assert op == "all_reduce"
         r = local.rank
-        calls[r].append((tag, part))
-        group = plan.ep_group(r) if part == 0 else plan.tp_group(r)
+        calls[r].append((op, tag, part))
         handed[r] = x.clone()
         barrier.wait()
-        result.copy_(sum(handed[g] for g in group))
+        if op == "all_reduce":
+            group = plan.ep_group(r) if part == 0 else plan.tp_group(r)
+            result.copy_(sum(handed[g] for g in group))
+        else:  # all_to_all over the stage: block s of the result is what its rank s sent this rank
+            group = plan.ep_group(r)
+            result.copy_(torch.stack([handed[g][group.index(r)] for g in group]))
         barrier.wait()
 
     def whole(logits):
@@ -62,24 +66,29 @@ def threaded(cfg, source: RankSource, plan, fn) -> dict:
         p = plan.rank(r)
         try:
             with torch.no_grad():
-                out[r] = fn(rank_model(cfg, source.state(cfg, p, plan), p, mesh.group > 1, plan), whole)
+                out[r] = fn(rank_model(cfg, source.state(cfg, p, plan), p, mesh.group > 1, plan), whole, r)
         except BaseException:
             barrier.abort()  # the other threads stop waiting for this one
             raise
 
     in_threads(collective, run, mesh.size)
-    schedule = {r: [(c["tag"], c["part"]) for s in plan.schedule(r, cfg) if s["op"] == "run"
+    schedule = {r: [(c["op"], c["tag"], c["part"]) for s in plan.schedule(r, cfg) if s["op"] == "run"
                     for c in s["collectives"]] for r in range(mesh.size)}
     steps = {r: len(calls[r]) // max(1, len(schedule[r])) for r in calls}
     assert all(calls[r] == schedule[r] * steps[r] for r in calls)  # the schedule's calls, in its order, each step
     return out
 
 
-def decode(prompts, model, whole=lambda x: x, steps: int = 3):
+def decode(prompts, model, whole=lambda x: x, steps: int = 3, rows=None):
     """Prefill the left-padded prompts, then `steps` greedy tokens: (every step's logits, the final state). `whole`:
-    the whole vocabulary's logits from the model's (a tp rank's: its slice)."""
+    the whole vocabulary's logits from the model's (a tp rank's: its slice). `rows`: (first, end, padded) of the
+    batch this model decodes (plan.rank_rows: an all-to-all rank's rows, padded by repeating the last)."""
+    from k3compile.runtime.worker import own_rows
+
     ids, mask = left_pad(prompts, 0)
-    past, logits = model.init_past(len(prompts)), []
+    if rows is not None:
+        ids, mask = own_rows(ids, *rows), own_rows(mask, *rows)
+    past, logits = model.init_past(ids.shape[0]), []
     for _ in range(steps + 1):
         out, past = model(ids, mask, past)
         out = whole(out)
@@ -98,27 +107,34 @@ def hf_folder(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("model,mesh", [("k3-tiny", "tp=2"), ("k3-tiny", "tp=2,ep=2"), ("hf", "tp=2")])
-def test_tp_ranks_decode_what_the_whole_model_decodes(model, mesh, hf_folder):
+@pytest.mark.parametrize("model,mesh,dispatch", [
+    ("k3-tiny", "tp=2", "all_reduce"), ("k3-tiny", "tp=2,ep=2", "all_reduce"), ("hf", "tp=2", "all_reduce"),
+    ("k3-tiny", "tp=2,ep=2", "all_to_all"), ("hf", "tp=2,ep=2", "all_to_all")])
+def test_tp_ranks_decode_what_the_whole_model_decodes(model, mesh, dispatch, hf_folder):
     """A left-padded batch of three, prefill and 3 decode steps: every rank's logits equal the whole model's, and
-    each rank's final state is its heads' share (KDA) or the whole cache (MLA) of the whole model's."""
+    each rank's final state is its heads' share (KDA) or the whole cache (MLA) of the whole model's. With the
+    all-to-all each tp group decodes its row group's rows (two rows and one padded to two), each of its ranks
+    dispatching its share of their slots (K3's latent MoE, and Kimi-Linear's at the hidden width)."""
     name = hf_folder if model == "hf" else model
     whole = load_model(name)
     want_logits, want_past = decode(PROMPTS[model], whole)
     source = RankSource(name, 0, "auto")
     cfg = source.rank_config()
-    plan = make_plan(cfg, Mesh.parse(mesh))
-    got = threaded(cfg, source, plan, lambda m, joined: decode(PROMPTS[model], m, joined))
+    plan = make_plan(cfg, Mesh.parse(mesh), dispatch)
+    rows = {r: plan.rank_rows(len(PROMPTS[model]), r) for r in range(plan.mesh.size)}
+    got = threaded(cfg, source, plan, lambda m, joined, r: decode(
+        PROMPTS[model], m, joined, rows=rows[r] if dispatch == "all_to_all" else None))
     for r, (logits, past) in got.items():
         p = plan.rank(r)
+        lo, hi, _ = rows[r]
         assert len(past) == cfg.num_hidden_layers
         for step, (a, b) in enumerate(zip(logits, want_logits)):
-            torch.testing.assert_close(a, b, rtol=0, atol=ATOL, msg=f"rank {r} step {step}")
+            torch.testing.assert_close(a[:hi - lo], b[lo:hi], rtol=0, atol=ATOL, msg=f"rank {r} step {step}")
         for i, (mine, full) in enumerate(zip(past, want_past)):
             for which in (0, 1):
-                expect = state_piece(cfg, i, which, full[which], p.tensor, p.tp)
-                assert mine[which].shape == expect.shape
-                torch.testing.assert_close(mine[which], expect, rtol=0, atol=ATOL, msg=f"rank {r} layer {i}")
+                expect = state_piece(cfg, i, which, full[which][lo:hi], p.tensor, p.tp)
+                assert mine[which][:hi - lo].shape == expect.shape
+                torch.testing.assert_close(mine[which][:hi - lo], expect, rtol=0, atol=ATOL, msg=f"rank {r} layer {i}")
         if not cfg.is_mla(1):  # a KDA layer's state is the rank's heads only
             assert past[1][1].shape[1] == cfg.kda_num_heads // plan.mesh.tp
 
@@ -183,9 +199,46 @@ def test_a_tp_that_does_not_divide_is_refused_naming_the_widths(mesh, named):
     assert all(n in str(e.value) for n in named), e.value
 
 
-def test_tp_with_the_all_to_all_is_refused():
-    with pytest.raises(PlanError, match="all-to-all dispatch does not run with tp > 1"):
-        make_plan(preset("k3-tiny"), Mesh.parse("tp=2,ep=2"), "all_to_all")
+@pytest.mark.parametrize("batch", [3, 4, 5])
+def test_the_all_to_all_with_tp_splits_rows_by_group_and_slots_by_rank(batch):
+    """tp=2,ep=2 with the all-to-all on k3-tiny (top-2 of 8 experts, two a shard): shards 0, 1 are row group 0 and
+    2, 3 row group 1, each group's rows the even split padded to the first's count; the token sources are each
+    group's first shard, to which its partner gathers. Per MoE layer the schedule is the down projection's
+    all-reduce over tp, the two all-to-alls over the stage's four ranks, the routed sums' all-reduce over tp, then
+    the output's. The plan's all-to-all bytes, under uniform routing, by the hand rule: a rank sends its half of its
+    group's rows x top-k slots (j mod 2 = t), of which 6/8 leave it, with 3 int64 counts; its 2/8 of the experts get
+    the slots that the other three ranks send, whose outputs go back."""
+    from fractions import Fraction
+
+    from k3compile.sharding.plan import AR_ATTENTION, AR_FFN, AR_LATENT_IN, AR_ROUTED, even_slices
+
+    cfg = preset("k3-tiny")
+    plan = make_plan(cfg, Mesh.parse("tp=2,ep=2"), "all_to_all")
+    assert plan.token_sources(0) == [0, 2]
+    groups = even_slices(batch, 2)
+    padded = groups[0][1] - groups[0][0]
+    for r in range(4):
+        assert plan.rank_rows(batch, r) == (*groups[r // 2], padded)
+        sched = plan.schedule(r, cfg)
+        assert [s["op"] for s in sched] == ["run", "gather", "broadcast", "broadcast"]
+        assert sched[1] == {"op": "gather", "to": r - r % 2, "group": [r - r % 2, r - r % 2 + 1],
+                            "tensors": ["logits"]}
+        tp = plan.tp_group(r)
+        want = [("all_reduce", 0, 3, tp)]  # the embedding's lookups
+        for i in range(cfg.num_hidden_layers):
+            want.append(("all_reduce", i, AR_ATTENTION, tp))
+            if cfg.is_moe(i):
+                want += [("all_reduce", i, AR_LATENT_IN, tp), ("all_to_all", i, 0, [0, 1, 2, 3]),
+                         ("all_to_all", i, 1, [0, 1, 2, 3]), ("all_reduce", i, AR_ROUTED, tp)]
+            want.append(("all_reduce", i, AR_FFN, tp))
+        assert [(c["op"], c["tag"], c["part"], c["group"]) for c in sched[0]["collectives"]] == want
+        k, de, e = cfg.num_experts_per_token, cfg.latent_size, cfg.num_experts
+        slots = padded * k
+        own = len([j for j in range(slots) if j % 2 == r % 2])
+        here = Fraction(2, e)
+        per_layer = 3 * 8 + round(own * (1 - here) * (de * 4 + 8)) + round((2 * slots - own) * here * de * 4)
+        moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+        assert step_bytes(cfg, plan, r, batch)["all_to_all"] == moe * per_layer
 
 
 @settings(max_examples=50, deadline=None)
