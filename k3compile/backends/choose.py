@@ -12,14 +12,17 @@ KINDS = ("auto", "eager", "onnx", "onnx-reference", "tvm")
 
 def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str = "auto",
                  threads: int | None = None, device: int | None = None, host: bool = False,
-                 progress: Callable[[str], None] | None = None, timeout: float | None = None, wire: str = "fp32"):
+                 progress: Callable[[str], None] | None = None, timeout: float | None = None, wire: str = "fp32",
+                 rendezvous=None):
     """The engine that runs SOURCE as `backend` asks. "auto": an artifact on its own target (llvm in TVM's VM, a GPU
     target on its device's executor; a sharded OUT on its ranks, which the caller ends with `close()`), an export in
     onnxruntime, anything else eager. "onnx" / "tvm" with a preset,
     config or checkpoint build it into the cache first (cache.py). `device` picks a GPU executor's device; `host`
     brings all of a GPU artifact's outputs back each step (the state too: what `verify.compare` reads). `timeout`: a
     sharded OUT's collectives' (as `run --timeout`; None: its default); `wire`: a sharded OUT's all-to-all vectors on
-    the wire (as `run --wire-dtype`; anything but fp32 is refused for every other SOURCE)."""
+    the wire (as `run --wire-dtype`; anything but fp32 is refused for every other SOURCE); `rendezvous`: node 0's
+    runtime.rendezvous.Rendezvous when a sharded OUT's ranks spread over several machines (refused for any other
+    SOURCE when it names more than one node)."""
     from k3compile.interface import ExportError
     from k3compile.manifest import is_sharded
     from k3compile.source import ARTIFACT, EXPORT, kind_of
@@ -30,7 +33,9 @@ def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str
         if backend != "auto":
             raise ExportError(f"{source}: a sharded artifact runs on its ranks; --backend {backend} does not apply")
         return ShardedBackend(source, threads, devices=() if device is None else (device,), progress=progress,
-                              wire=wire, **({} if timeout is None else {"timeout": timeout}))
+                              wire=wire, rendezvous=rendezvous, **({} if timeout is None else {"timeout": timeout}))
+    if rendezvous is not None and rendezvous.nnodes > 1:
+        raise ExportError(f"--nnodes spreads a sharded OUT's ranks over machines; {source} is not one")
     if wire != "fp32":
         raise ExportError(f"--wire-dtype {wire} applies to a sharded OUT's all-to-all dispatch; {source} is not one")
     kind = kind_of(source)

@@ -104,13 +104,16 @@ class RankState:
 class ShardedBackend:
     def __init__(self, folder: str | Path, threads: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                  devices: tuple[int, ...] = (), progress: Callable[[str], None] | None = None,
-                 wire: str = "fp32") -> None:
-        """`wire`: the all-to-all dispatch's vectors on the wire (as `run --wire-dtype`)."""
+                 wire: str = "fp32", rendezvous=None) -> None:
+        """`wire`: the all-to-all dispatch's vectors on the wire (as `run --wire-dtype`). `rendezvous` (a
+        runtime.rendezvous.Rendezvous of node 0): the ranks spread over its nnodes machines, this one starting its
+        share (the others: `k3compile serve OUT --node-rank R` there, runtime/launch.serve_node) and hosting the
+        store on its address; default: every rank here, the store on 127.0.0.1."""
         import torch.distributed as dist
 
         from k3compile.manifest import read_sharded
-        from k3compile.runtime.launch import check_wire, default_threads, device_env_of, spawn
-        from k3compile.runtime.rendezvous import Rendezvous, host_store, interface_of
+        from k3compile.runtime.launch import check_wire, default_threads, device_env_of, node_share, spawn
+        from k3compile.runtime.rendezvous import Rendezvous, RendezvousError, host_store, interface_of
         from k3compile.threads import capped
 
         step = progress or (lambda msg: None)
@@ -134,20 +137,27 @@ class ShardedBackend:
         self.failure: str | None = None
         self._last = time.monotonic()
         self._closed = False
-        threads = capped(threads) if threads else default_threads(mesh.size)
+        rdzv = rendezvous or Rendezvous()
+        if rdzv.node_rank != 0:
+            raise RendezvousError("the server is node 0 of its mesh's nodes; on the others run `k3compile serve OUT "
+                                  "--nnodes N --node-rank R --rendezvous HOST:PORT`, which starts their ranks")
+        local = node_share(self.plan, rdzv)
+        self._nnodes = rdzv.nnodes
+        threads = capped(threads) if threads else default_threads(len(local))
+        device_env = device_env_of(doc["target"], devices, len(local))
         self._run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
         self._procs: dict = {}
         self._hosted = None
         try:
-            rdzv = Rendezvous()
             self._hosted = host_store(rdzv, mesh.size + 1, timeout)
             write_options(self._run_dir, folder.resolve(),
                           Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True, wire=wire),
                           self._hosted.rendezvous)
-            step(f"starting {mesh.size} ranks")
-            self._procs = spawn(self._run_dir, range(mesh.size), mesh.size + 1, threads,
-                                interface_of(self._hosted.rendezvous),
-                                device_env_of(doc["target"], devices, mesh.size))
+            step(f"starting {len(local)} ranks" + (f" (ranks {local.stop}..{mesh.size - 1} join from "
+                                                   f"{rdzv.nnodes - 1} more nodes at {self._hosted.rendezvous})"
+                                                   if rdzv.nnodes > 1 else ""))
+            self._procs = spawn(self._run_dir, local, mesh.size + 1, threads, interface_of(self._hosted.rendezvous),
+                                device_env)
             delta = datetime.timedelta(seconds=timeout)
             _fresh_world()
             with _gloo_interface(interface_of(self._hosted.rendezvous)):  # as the ranks': loopback, nothing beyond
@@ -322,6 +332,9 @@ class ShardedBackend:
         while not self._hosted.store.check(keys):
             if any(p.poll() is not None for p in self._procs.values()):
                 raise RuntimeFault(self._cause() or "a rank exited while loading")
+            remote = self._node_failure()
+            if remote is not None:
+                raise RuntimeFault(remote)
             if time.monotonic() > deadline:
                 raise RuntimeFault(f"the ranks did not load their libraries in {START_S:.0f} s")
             time.sleep(0.05)
@@ -332,12 +345,29 @@ class ShardedBackend:
         from k3compile.runtime.launch import SETTLE_S, failure_line
 
         deadline = time.monotonic() + SETTLE_S
-        while True:
+        while True:  # over several nodes the whole settle time: another node's line may come after a local one
             failed = {r: p.poll() for r, p in self._procs.items() if p.poll() not in (None, 0)}
-            if failed or time.monotonic() > deadline:
+            if (failed and self._nnodes == 1) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        return failure_line(failed, self._run_dir) if failed else None
+        remote = self._node_failure()
+        lines = ([failure_line(failed, self._run_dir)] if failed else []) + ([remote] if remote else [])
+        # the cause, not a rank that only saw its peer go ("... with rank(s) [r] failed")
+        return next((line for line in lines if "with rank(s)" not in line), lines[0] if lines else None)
+
+    def _node_failure(self) -> str | None:
+        """The line another node's launcher left in the store when its ranks failed (runtime/launch.serve_node)."""
+        from k3compile.runtime.launch import NODE_FAILED
+
+        store = getattr(self._hosted, "store", None)
+        for n in range(1, self._nnodes if store is not None else 1):
+            key = f"{NODE_FAILED}{n}"
+            try:
+                if store.check([key]):
+                    return f"node {n}: {store.get(key).decode(errors='replace')[:400]}"
+            except (RuntimeError, OSError):
+                return None
+        return None
 
     def _check(self) -> None:
         if self._closed:

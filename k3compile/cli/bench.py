@@ -133,7 +133,8 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="Report even when other processes keep the machine busy (the figures are then marked); by "
                    "default the bench refuses past 0.25 busy cores before or after measuring.")
 @click.option("--serve", "serve", is_flag=True,
-              help="Instead: `k3compile serve` on SOURCE's llvm artifact, as clients see it over HTTP: time to first "
+              help="Instead: `k3compile serve` on SOURCE's llvm artifact (SOURCE an artifact or a sharded OUT: "
+                   "itself; with one --mesh: SOURCE's sharded artifact), as clients see it over HTTP: time to first "
                    "token with a cached prefix against an uncached one, concurrent streams against the same requests "
                    "one by one, one client's decode against `generate`.")
 @click.option("--serve-prefix", default=2048, show_default=True, type=IntRange(1, MAX_SIZE),
@@ -175,11 +176,14 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
         if serve:
             from k3compile.serving.bench import run_serve_bench, serve_table
 
-            if meshes or llama_bench or png_path:
-                raise click.UsageError("--serve runs alone: not with --mesh, --llama-bench or --png")
+            if len(meshes) > 1 or len(dispatches) > 1 or llama_bench or png_path:
+                raise click.UsageError("--serve runs alone: one --mesh and one --dispatch at most, not with "
+                                       "--llama-bench or --png")
             with status(f"benchmarking serve on {source}", quiet) as step:
                 result = run_serve_bench(source, threads, repeats, serve_prefix, serve_suffix, serve_clients,
-                                         serve_tokens, progress=step, allow_busy=allow_busy)
+                                         serve_tokens, progress=step, allow_busy=allow_busy,
+                                         mesh=meshes[0] if meshes else None,
+                                         dispatch=DISPATCH_FLAGS[dispatches[0]])
             if json_path is not None:
                 _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
             click.echo(serve_table(result))

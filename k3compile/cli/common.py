@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -167,3 +168,32 @@ WIRE_OPTION = click.option(
     "--wire-dtype", "wire", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
     help="A sharded OUT with the all-to-all dispatch: its latent vectors on the wire, fp32 (exact, as the graph "
          "computes them) or bf16 (half the bytes, each vector rounded; the expert ids and weights stay exact).")
+
+
+def node_options(fn):
+    """`run`'s and `serve`'s --nnodes / --node-rank / --rendezvous: a sharded OUT's ranks over several machines."""
+    fn = click.option("--rendezvous", default=None, metavar="HOST:PORT",
+                      help="With --nnodes > 1: an address of node 0 that every node reaches; node 0 listens on it "
+                           "(only), the others join it. Default: this machine alone, on 127.0.0.1. See the README's "
+                           "trust model.")(fn)
+    fn = click.option("--node-rank", default=0, show_default=True, type=IntRange(0, 4095),
+                      help="This machine's place among the --nnodes (node 0 hosts the rendezvous; `run`: it prints "
+                           "the result, `serve`: it is the server).")(fn)
+    return click.option("--nnodes", default=1, show_default=True, type=IntRange(1, 4096),
+                        help="A sharded OUT: machines its ranks are spread over (ranks in node order); run this "
+                             "command on each.")(fn)
+
+
+def stuck_safe(fn):
+    """fn(); a rendezvous whose store client still waits in a thread ends the process with its one line (os._exit,
+    without unwinding that thread: runtime/rendezvous.py)."""
+    from k3compile.runtime.rendezvous import RendezvousError
+
+    try:
+        return fn()
+    except RendezvousError as e:
+        if not e.stuck_thread:
+            raise
+        click.echo(f"Error: {e}", err=True)
+        sys.stderr.flush()
+        os._exit(1)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import click
 
 from k3compile.cli.common import (
@@ -13,7 +10,9 @@ from k3compile.cli.common import (
     FiniteFloat,
     IntRange,
     dumps,
+    node_options,
     parse_ids,
+    stuck_safe,
     table_console,
     user_errors,
 )
@@ -34,13 +33,7 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
                    "least 1].")
 @click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
               help="Seconds a collective (or joining the run) waits for a peer before every rank gives up.")
-@click.option("--nnodes", default=1, show_default=True, type=IntRange(1, 4096),
-              help="Machines the ranks are spread over (ranks in node order); run this command on each.")
-@click.option("--node-rank", default=0, show_default=True, type=IntRange(0, 4095),
-              help="This machine's place among the --nnodes (node 0 hosts the rendezvous and prints the result).")
-@click.option("--rendezvous", default=None, metavar="HOST:PORT",
-              help="With --nnodes > 1: an address of node 0 that every node reaches; node 0 listens on it (only), the "
-                   "others join it. Default: this machine alone, on 127.0.0.1. See the README's trust model.")
+@node_options
 @click.option("--device", "devices", default=None, metavar="N[,N...]",
               help="GPU ranks: the device index of each of this node's ranks, in rank order (one index: all of them) "
                    "[default: the driver's variable (K3COMPILE_OPENCL_DEVICE, K3COMPILE_WEBGPU_ADAPTER), else 0].")
@@ -58,23 +51,16 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
     --nnodes, --node-rank and --rendezvous (README)."""
     from k3compile.runtime.launch import run
-    from k3compile.runtime.rendezvous import Rendezvous, RendezvousError
+    from k3compile.runtime.rendezvous import Rendezvous
     from k3compile.runtime.worker import Options
 
     prompts = [parse_ids(p) for p in prompt_ids]
     devices = tuple(parse_ids(devices, "--device")) if devices is not None else ()
     with user_errors():
         rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
-        try:
-            res = run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads, timeout,
-                                      progress=not quiet and not as_json, devices=devices,
-                                      micro_batches=micro_batches, wire=wire), rdzv)
-        except RendezvousError as e:
-            if not e.stuck_thread:
-                raise
-            click.echo(f"Error: {e}", err=True)  # a store client still waits in a thread: leave without unwinding it
-            sys.stderr.flush()
-            os._exit(1)
+        res = stuck_safe(lambda: run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads,
+                                                     timeout, progress=not quiet and not as_json, devices=devices,
+                                                     micro_batches=micro_batches, wire=wire), rdzv))
     if res is None:  # another node's share: node 0 prints the result
         if not quiet:
             click.echo(f"node {node_rank}: its ranks decoded; node 0 has the result", err=True)

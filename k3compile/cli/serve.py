@@ -10,7 +10,17 @@ import click
 
 from k3compile.artifact import Terminated
 from k3compile.backends.choose import KINDS, open_backend
-from k3compile.cli.common import SEED, THREADS_HELP, WIRE_OPTION, FiniteFloat, IntRange, status, user_errors
+from k3compile.cli.common import (
+    SEED,
+    THREADS_HELP,
+    WIRE_OPTION,
+    FiniteFloat,
+    IntRange,
+    node_options,
+    status,
+    stuck_safe,
+    user_errors,
+)
 from k3compile.cli.run import MAX_TIMEOUT
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
@@ -53,20 +63,29 @@ LOCAL = "127.0.0.1"
               help="A sharded OUT: seconds a collective waits for a rank (as `run --timeout`); a step, a long "
                    "prompt's chunk included, must finish within it.")
 @WIRE_OPTION
+@node_options
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
-            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, quiet):
+            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, nnodes, node_rank,
+            rendezvous, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
-    (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise."""
+    (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise. A sharded OUT
+    over several machines: this command on each, node 0 the server (README)."""
     from k3compile.presets import load_config
+    from k3compile.runtime.rendezvous import Rendezvous
     from k3compile.threads import default_threads, use_threads
 
     with user_errors():
+        rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
+        if rdzv.node_rank > 0:
+            _serve_node(source, rdzv, threads, device, timeout, wire, quiet)
+            return
         cfg = load_config(source)
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
-            engine_backend = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads,
-                                          device=device, progress=step, timeout=timeout, wire=wire)
+            engine_backend = stuck_safe(lambda: open_backend(
+                source, backend, seed=weight_seed, experts=experts, threads=threads, device=device, progress=step,
+                timeout=timeout, wire=wire, rendezvous=rdzv if nnodes > 1 else None))
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
                    cache_block, prefix_cache_bytes, quiet)
@@ -75,6 +94,23 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
                 engine_backend.close()
         if not quiet:
             click.echo("server stopped", err=True)
+
+
+def _serve_node(source, rdzv, threads, device, timeout, wire, quiet) -> None:
+    """Node R > 0 of a served sharded OUT: its ranks, until node 0's server stops them (runtime/launch.serve_node)."""
+    from k3compile.manifest import is_sharded
+    from k3compile.runtime.launch import serve_node
+    from k3compile.runtime.worker import Options
+
+    if not is_sharded(source):
+        raise click.UsageError(f"--node-rank {rdzv.node_rank}: only a sharded OUT's ranks spread over machines; "
+                               f"{source} is not one")
+    if not quiet:
+        click.echo(f"node {rdzv.node_rank}: starting its ranks for the server at {rdzv}", err=True)
+    stuck_safe(lambda: serve_node(source, Options([], 0, threads=threads, timeout=timeout,
+                                                   devices=() if device is None else (device,), wire=wire), rdzv))
+    if not quiet:
+        click.echo(f"node {rdzv.node_rank}: the server stopped its ranks", err=True)
 
 
 def _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,

@@ -70,8 +70,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     doc, cfg, plan = read_sharded(folder)
     check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
     world = plan.mesh.size
-    if world % rdzv.nnodes:
-        raise RendezvousError(f"mesh {plan.mesh} has {world} ranks, which {rdzv.nnodes} nodes cannot share evenly")
+    per_node = len(node_share(plan, rdzv))
     need = plan.mesh.dp * len(plan.token_sources(0))
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
@@ -86,7 +85,6 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if options.micro_batches > rows:
             raise RuntimeFault(f"--micro-batches {options.micro_batches}: above the {rows} rows a replica decodes "
                                f"({len(options.prompts)} prompts over dp={plan.mesh.dp})")
-    per_node = world // rdzv.nnodes
     device_env = device_env_of(doc["target"], options.devices, per_node)
     threads = capped(options.threads) if options.threads else default_threads(per_node)
     options = dataclasses.replace(options, threads=threads)
@@ -113,6 +111,58 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if hosted is not None:
             hosted.close()
     return summarize(folder, results)
+
+
+# A node of a server's mesh that fails (runtime/worker.serve_rank's ranks on a machine other than the server's) writes
+# its one line under this key + its node rank into the run's store, where the server reads it (backends/sharded.py).
+NODE_FAILED = "k3compile/serve/failed/"
+
+
+def node_share(plan, rdzv: Rendezvous) -> range:
+    """The ranks node rdzv.node_rank starts: its equal share of the mesh's, in rank order (refused where the nodes
+    cannot share them evenly). A server's controller, the world's last process, is on node 0 besides its share."""
+    world = plan.mesh.size
+    if world % rdzv.nnodes:
+        raise RendezvousError(f"mesh {plan.mesh} has {world} ranks, which {rdzv.nnodes} nodes cannot share evenly")
+    per_node = world // rdzv.nnodes
+    return range(rdzv.node_rank * per_node, (rdzv.node_rank + 1) * per_node)
+
+
+def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> None:
+    """`k3compile serve OUT --nnodes N --node-rank R` on a node R > 0: this machine's share of the ranks, in serve
+    mode (runtime/worker.serve_rank), in the world of node 0's server (backends/sharded.py, which hosts the store and
+    is the world's last process). Returns when the server stops them; a rank that fails stops the others, its line
+    goes into the store for the server (NODE_FAILED) and raises here."""
+    from k3compile.manifest import read_sharded
+    from k3compile.threads import capped
+
+    if rendezvous.node_rank == 0:
+        raise RendezvousError("node 0 of a served mesh is the server itself (k3compile serve with --node-rank 0)")
+    folder = Path(folder)
+    doc, _, plan = read_sharded(folder)
+    check_wire(plan, options.wire, folder)
+    ranks = node_share(plan, rendezvous)
+    device_env = device_env_of(doc["target"], options.devices, len(ranks))
+    threads = capped(options.threads) if options.threads else default_threads(len(ranks))
+    options = dataclasses.replace(options, threads=threads, serve=True)
+    ifname = interface_of(rendezvous)
+    store = join(rendezvous, options.timeout)  # one line, within the timeout, when the server is not there
+    run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        write_options(run_dir, folder.resolve(), options, rendezvous)
+        procs.update(spawn(run_dir, ranks, plan.mesh.size + 1, threads, ifname, device_env))
+        try:
+            _watch(procs, run_dir)
+        except RuntimeFault as e:
+            try:
+                store.set(f"{NODE_FAILED}{rendezvous.node_rank}", str(e))
+            except (RuntimeError, OSError):  # the server is gone too
+                pass
+            raise
+    finally:
+        stop_all(procs)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def spawn(run_dir: Path, ranks, world: int, threads: int, ifname: str, device_env: list[dict]

@@ -11,6 +11,11 @@ live server process over HTTP, as a client sees it.
 Repetitions are interleaved and the figures are medians. The server runs with the same thread count as `generate`
 here, one of them at a time (the server is idle while `generate` runs). Requests ask `ignore_eos` (an extension
 of this server, as vLLM's), so every request generates exactly `tokens` tokens whatever the random weights pick.
+
+SOURCE is anything `serve` runs: a preset, config or checkpoint (its llvm artifact, built into the cache), a compiled
+artifact, or a sharded OUT (`export --mesh`; with `mesh`, SOURCE's sharded artifact built into the cache). A
+sharded OUT's server and `generate` here each start its ranks (backends/sharded.py; one set idles while the other
+runs), each rank with `threads` threads, or by default the machine's cores over the ranks (`run`'s rule).
 """
 
 from __future__ import annotations
@@ -83,15 +88,17 @@ def _decode_rate(times: list[float]) -> float:
 
 def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeats: int = 3, prefix: int = 2048,
                     suffix: int = 32, clients: int = 8, tokens: int = 64, cache_block: int = 256,
-                    progress: Callable[[str], None] | None = None, allow_busy: bool = False) -> dict:
+                    progress: Callable[[str], None] | None = None, allow_busy: bool = False,
+                    mesh: str | None = None, dispatch: str = "all_reduce") -> dict:
     import asyncio
 
     import httpx
 
-    from k3compile.backends.tvm import TvmBackend
+    from k3compile.backends.choose import open_backend
     from k3compile.bench import _quiet
-    from k3compile.cache import cached_artifact
+    from k3compile.cache import cached_artifact, cached_sharded
     from k3compile.generate import generate
+    from k3compile.manifest import is_sharded
     from k3compile.presets import load_config
     from k3compile.source import ARTIFACT, kind_of
     from k3compile.threads import available_cores, use_threads
@@ -103,13 +110,28 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     if prefix + suffix + 1 > cfg.max_position_embeddings or 16 + tokens > cfg.max_position_embeddings:
         raise ServeBenchError(f"a prompt of {prefix + suffix} tokens does not fit {cfg.name}'s context "
                               f"({cfg.max_position_embeddings})")
-    threads = use_threads(threads or available_cores())
-    artifact = source if kind_of(source) == ARTIFACT else str(cached_artifact(source, progress=step))
+    if mesh is not None:
+        from k3compile.sharding import Mesh, make_plan
+
+        if kind_of(source) == ARTIFACT:
+            raise ServeBenchError(f"--mesh builds SOURCE's sharded artifact; {source} is compiled already")
+        make_plan(cfg, Mesh.parse(mesh), dispatch)  # a mesh the model does not split: refused before any build
+    artifact = (str(cached_sharded(source, mesh, progress=step, dispatch=dispatch)) if mesh is not None
+                else source if kind_of(source) == ARTIFACT else str(cached_artifact(source, progress=step)))
+    sharded = is_sharded(artifact)
+    if sharded:  # each rank's threads: as given, or the cores over the ranks (None: run's rule)
+        threads = threads and use_threads(threads)
+    else:
+        threads = use_threads(threads or available_cores())
     model = Path(artifact).resolve().name
     step("loading the artifact here (generate) and in a server process")
-    backend = TvmBackend(artifact)
-    proc, url = start_server([artifact, "--threads", str(threads), "--max-batch", str(clients), "--cache-block",
-                              str(cache_block)])
+    backend = open_backend(artifact, threads=threads)
+    try:
+        proc, url = start_server([artifact, *(["--threads", str(threads)] if threads else []), "--max-batch",
+                                  str(clients), "--cache-block", str(cache_block)])
+    except BaseException:
+        getattr(backend, "close", lambda: None)()
+        raise
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -162,9 +184,11 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        getattr(backend, "close", lambda: None)()  # a sharded OUT's ranks
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
-        "source": source, "artifact": artifact, "threads": threads, "repeats": repeats, "prefix": prefix,
+        "source": source, "artifact": artifact, "backend": backend.name, "threads": threads, "repeats": repeats,
+        "prefix": prefix,
         "suffix": suffix, "clients": clients, "tokens": tokens, "cache_block": cache_block,
         "runs": rows, "medians": med,
         "ttft_hit_over_miss": med["ttft_hit_s"] / med["ttft_miss_s"],

@@ -429,6 +429,67 @@ def test_two_nodes_decode_the_same_tokens(sharded, references):
     assert json.loads(outs[1][0])["tokens"] == want
 
 
+def test_two_nodes_serve_a_sharded_artifact(sharded, references):
+    """`serve OUT --nnodes 2` on two "machines" (node 0 hosting the rendezvous on 127.0.0.1): node 1, started first,
+    runs its rank for node 0's server, which runs the other rank and answers over HTTP with eager's greedy tokens;
+    SIGTERM to the server stops node 1's rank, which then exits 0. A node 1 whose rank fails leaves its line for
+    the server, which names it; a node 1 with no server to join fails within its timeout with one line."""
+    import httpx
+
+    from k3compile.serving.bench import start_server
+
+    eager, _ = references["k3-tiny"]
+    want = [generate(eager, [p], 10, eos_token_id=eager.config.eos_token_id).tokens[0] for p in PROMPTS]
+    folder = str(sharded[("k3-tiny", "ep=2", "all-reduce")])
+
+    def node1(port: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "k3compile.cli", "serve", folder, "--nnodes", "2",
+                                 "--node-rank", "1", "--rendezvous", f"127.0.0.1:{port}", "--threads", "1",
+                                 "--timeout", "30", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    port = free_port()
+    other = node1(port)
+    proc, url = start_server([folder, "--nnodes", "2", "--rendezvous", f"127.0.0.1:{port}", "--threads", "1",
+                              "--timeout", "30", "--model-name", "kimi-k3"], timeout=180)
+    try:
+        for prompt, tokens in zip(PROMPTS, want):
+            r = httpx.post(url + "/v1/completions", json={"model": "kimi-k3", "prompt": prompt, "max_tokens": 10,
+                                                           "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == tokens
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    out, err = other.communicate(timeout=60)
+    assert proc.returncode == 0 and other.returncode == 0, err[-2000:]
+    assert "the server stopped its ranks" in err and "Traceback" not in err and out == ""
+
+    port = free_port()  # node 1's rank killed while the server idles
+    other = node1(port)
+    proc, url = start_server([folder, "--nnodes", "2", "--rendezvous", f"127.0.0.1:{port}", "--threads", "1",
+                              "--timeout", "30"], timeout=180)
+    try:
+        import psutil
+
+        victim = next(c for c in psutil.Process(other.pid).children(recursive=True)
+                      if "k3compile.runtime.worker" in c.cmdline())
+        victim.kill()
+        out, err = other.communicate(timeout=60)
+        assert other.returncode == 1 and err.count("Error:") == 1 and "rank 1 failed: killed by SIGKILL" in err, err
+        r = httpx.post(url + "/v1/completions", json={"model": Path(folder).name, "prompt": PROMPTS[0],
+                                                       "max_tokens": 2}, timeout=120)
+        assert r.status_code >= 500 and "node 1: rank 1 failed: killed by SIGKILL" in r.text, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+    t0 = time.monotonic()
+    res = cli("serve", folder, "--nnodes", "2", "--node-rank", "1", "--rendezvous", f"127.0.0.1:{free_port()}",
+              "--timeout", "3", timeout=120)
+    assert time.monotonic() - t0 < 3 + 30 and res.returncode == 1 and res.stderr.count("Error:") == 1, res.stderr
+    assert "cannot join the run" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_a_node_with_no_rendezvous_to_join_fails_in_its_timeout(sharded, tmp_path):
     """Node 1 pointed at a port where nothing listens, and at one held by a listener that never answers (a TCPStore
     client alone would wait there forever): one line each, within the timeout. Node 0 on a port in use: one line."""

@@ -229,6 +229,13 @@ def test_bench_defaults_pass_every_check(no_work):
     reaches_work(run("bench", "--mesh", "ep=2", "--mesh", "pp=2", "--dispatch", "all-reduce,all-to-all"))
 
 
+def test_bench_serve_takes_one_mesh_checked_before_its_build(no_work):
+    reaches_work(run("bench", "--serve", "--mesh", "tp=2,ep=2", "--dispatch", "all-to-all"))
+    refused_before_work(run("bench", "k3-tiny", "--serve", "--mesh", "ep=1000"), "ep=1000")
+    r = run("bench", "--serve", "--mesh", "ep=2", "--mesh", "ep=4")
+    assert r.exit_code == 2 and "--serve runs alone: one --mesh" in r.output
+
+
 @pytest.mark.parametrize("args,option", [
     (["--prefill", "100000"], "--prefill"),  # k3-small: 65536 positions
     (["k3-tiny", "--prefill", "65537"], "--prefill"),
