@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from k3compile.cli.bench import DISPATCH_FLAGS, _names
 from k3compile.cli.common import FiniteFloat, IntRange, dumps, table_console, user_errors
 from k3compile.sharding.plan import MAX_RANKS
 
@@ -37,9 +38,13 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
 @click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=SIZE,
               help="Price each mesh with pp > 1 running its rows as this many micro-batches (run --micro-batches; "
                    "at most a replica's rows).")
+@click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
+              callback=_names(tuple(DISPATCH_FLAGS)),
+              help="Comma-separated all-reduce, all-to-all: each mesh with ep > 1 priced once per dispatch (the "
+                   "all-to-all where the batch gives every row group of every replica a row).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def command(source, devices, mesh, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth,
-            micro_batches, as_json):
+            micro_batches, dispatches, as_json):
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
     folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
     and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
@@ -71,9 +76,18 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
         meshes = [m for m in meshes if m.dp <= batch]
         if not meshes:
             raise PlanError(f"every mesh of {devices} devices needs a batch of at least its dp; raise --batch")
+        wanted = [DISPATCH_FLAGS[d] for d in dispatches]
+        if mesh is not None and "all_reduce" not in wanted and meshes[0].ep * meshes[0].dp > batch:
+            raise PlanError(f"mesh {meshes[0]} with all-to-all dispatch needs a batch of at least "
+                            f"{meshes[0].ep * meshes[0].dp} (a row for every row group of every replica)")
+        runs = [(m, d) for m in meshes for d in wanted
+                if d == "all_reduce" or mesh is not None or (m.ep > 1 and m.ep * m.dp <= batch)]
+        if not runs:
+            raise PlanError(f"no mesh of {devices} devices runs the all-to-all dispatch at batch {batch} (it needs "
+                            "ep > 1 and a row for every row group of every replica)")
         sizes = Sizes.of(cfg)
         device = Device(bandwidth=device_bandwidth * 1e9, link=link_bandwidth * 1e9)
-        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device, micro_batches) for m in meshes]
+        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device, micro_batches, d) for m, d in runs]
         rows.sort(key=lambda r: (not r["fits"], r["predicted"]["step_s"]))  # stable: equal times keep their order
         if mesh is not None and not rows[0]["fits"]:
             raise PlanError(does_not_fit(rows[0], memory))
@@ -95,8 +109,9 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
     t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB, "
                     f"{device_bandwidth:g} GB/s memory, {link_bandwidth:g} GB/s link ({dtype}, context {context}, "
                     f"batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
-                    "bytes per decode token over the mesh; a2a: all-to-all dispatch at latent width D_e and at D (the "
-                    "routed slots, expected under uniform routing); "
+                    "bytes per decode token over the mesh (a mesh marked a2a: with the all-to-all dispatch, else the "
+                    "all-reduce); a2a D_e / D: the all-to-all alternative at latent width D_e and at D (the routed "
+                    "slots, expected under uniform routing); "
                     "max ctx: the longest context every device holds at this batch; step: the predicted decode "
                     "step (memory-bound, " + (f"{micro_batches} micro-batches in flight where pp > 1" if
                                               micro_batches > 1 else "one batch in flight") + "), the meshes "
@@ -111,7 +126,8 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
         state = b["kda_state"] + b["mla_cache"] + b["activations"]
         a2a = r["all_to_all_per_token"]
         ratio = f"{a2a['latent'] / a2a['full_width']:.2f}" if a2a["full_width"] else "-"
-        t.add_row(r["mesh"], f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{state / GIB:,.2f}",
+        name = r["mesh"] + (" a2a" if r["dispatch"] == "all_to_all" else "")
+        t.add_row(name, f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{state / GIB:,.2f}",
                   f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no", f"{r['max_context']:,}",
                   f"{r['predicted']['step_s'] * 1e3:,.2f}", f"{r['predicted']['tokens_per_s']:,.1f}",
                   _bytes(r["bytes_per_token"]["all_reduce"]), _bytes(r["bytes_per_token"]["send"]),

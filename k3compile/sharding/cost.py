@@ -254,12 +254,14 @@ def alike_ranks(plan: ShardPlan, batch: int) -> list[tuple[int, int]]:
 
 
 def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
-             device_memory: int, device: Device = DEFAULT_DEVICE, micro_batches: int = 1) -> dict:
-    """One mesh's row of `k3compile plan`: the fullest device's memory by kind (its lowest rank), whether it fits,
-    and the bytes per decode token by collective summed over the mesh (with the all-to-all dispatch alternative,
-    latent and full width), and the longest context the devices hold at this batch (`max_context`: the KDA state is
-    fixed per row, the MLA cache grows per token; at most the model's max_position_embeddings). `batch` is the
-    whole batch, split over dp replicas. Each class of alike ranks is priced once (`alike_ranks`).
+             device_memory: int, device: Device = DEFAULT_DEVICE, micro_batches: int = 1,
+             dispatch: str = "all_reduce") -> dict:
+    """One mesh's row of `k3compile plan` with `dispatch` (the all-to-all: ranks hold their row group's rows, so its
+    state and reads are theirs): the fullest device's memory by kind (its lowest rank), whether it fits, and the
+    bytes per decode token by collective summed over the mesh (with the all-reduce dispatch, the all-to-all
+    alternative's, latent and full width), and the longest context the devices hold at this batch (`max_context`:
+    the KDA state is fixed per row, the MLA cache grows per token; at most the model's max_position_embeddings).
+    `batch` is the whole batch, split over dp replicas. Each class of alike ranks is priced once (`alike_ranks`).
 
     `predicted`: the decode step's time on `device` (memory-bound: each rank's read bytes over the bandwidth, plus
     its collectives over the link, in sequence as a decode step runs them layer by layer), the slowest rank of each
@@ -269,9 +271,9 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     stage's. A micro-batch reads its stage's dense weights again, so where those dominate (memory-bound decode) M > 1
     predicts a slower step: the model has no compute, where micro-batches would pay. `stage_s`: each stage's time
     for one micro-batch (the whole batch at M = 1)."""
-    plan = make_plan(cfg, mesh)
+    plan = make_plan(cfg, mesh, dispatch)
     w = DTYPE_BYTES[dtype]
-    parts = micro_parts(mesh, batch, micro_batches)
+    parts = min(micro_parts(mesh, batch, micro_batches), plan.rank_rows(batch, 0)[2])  # all-to-all: a group's rows
     worst: dict | None = None
     total = dict.fromkeys(COLLECTIVES, 0)
     longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
@@ -296,7 +298,7 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             {k: v * part / b for k, v in moved.items()}, mesh, device)
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
-    if mesh.ep > 1:  # the other dispatch on the same mesh, at latent and at hidden width
+    if mesh.ep > 1 and dispatch == "all_reduce":  # the other dispatch on the same mesh, latent and hidden width
         other = make_plan(cfg, mesh, "all_to_all")
         latent = full = 0
         for r, count in alike_ranks(other, batch):
@@ -306,7 +308,8 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     assert worst is not None
     times = [[stages[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in stages]
     step = max(sum(t) + (parts - 1) * max(t) for t in times)  # one micro-batch through, then M - 1 at the slowest
-    return {"mesh": str(mesh), "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
+    return {"mesh": str(mesh), "dispatch": dispatch, "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp,
+            "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
             "max_context": min(longest, cfg.max_position_embeddings) if longest is not None

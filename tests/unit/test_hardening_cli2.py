@@ -59,6 +59,8 @@ PLAN_ARG = st.one_of(
     st.tuples(st.just("--mesh"), st.sampled_from(["ep=2", "pp=2", "ep=2,pp=2", "ep=２", "dp=2", "ep=0", "ep=,",
                                                         "tp=2", "tp=2,ep=2", "tp=3", "tp=2,pp=2"])),
     st.tuples(st.just("--dtype"), st.sampled_from(["bf16", "fp32", "fp8"])),
+    st.tuples(st.just("--dispatch"), st.sampled_from(["all-reduce", "all-to-all", "all-reduce,all-to-all",
+                                                      "all-to-all,all-to-all", "a2a", ""])),
 )
 
 
@@ -76,10 +78,10 @@ def test_any_plan_arguments(args):
 
 # ---- plan: priced per class of alike ranks ---------------------------------------------------------------------
 
-def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
+def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory, dispatch="all_reduce") -> dict:
     """evaluate() as a walk over every rank (minutes for k3 on 1024 devices; instant for these meshes): the
     reference the class reduction must equal exactly."""
-    plan, w = make_plan(cfg, mesh), DTYPE_BYTES[dtype]
+    plan, w = make_plan(cfg, mesh, dispatch), DTYPE_BYTES[dtype]
     worst, total = None, dict.fromkeys(cost.COLLECTIVES, 0)
     holds, stages, dev = [], {}, cost.DEFAULT_DEVICE
     for p in plan.ranks():
@@ -98,13 +100,14 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     step = max(sum(stages[(d, s)] for s in range(mesh.pp)) for d in range(mesh.dp))
     latent = full = 0
-    if mesh.ep > 1:
+    if mesh.ep > 1 and dispatch == "all_reduce":
         other = make_plan(cfg, mesh, "all_to_all")
         for p in other.ranks():
             latent += cost.step_bytes(cfg, other, p.rank, batch, w)["all_to_all"]
             full += cost.step_bytes(cfg, other, p.rank, batch, w, cfg.hidden_size)["all_to_all"]
-    return {"mesh": str(mesh), "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp, "cuts": list(plan.cuts),
-            "fullest_rank": worst[0], "device_bytes": worst[1], "device_total": worst[2], "fits": worst[2] <= memory,
+    return {"mesh": str(mesh), "dispatch": dispatch, "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp,
+            "cuts": list(plan.cuts), "fullest_rank": worst[0], "device_bytes": worst[1], "device_total": worst[2],
+            "fits": worst[2] <= memory,
             "max_context": min([*holds, cfg.max_position_embeddings]),
             "bytes_per_token": {k: v / batch for k, v in total.items()},
             "all_to_all_per_token": {"latent": latent / batch, "full_width": full / batch},
@@ -117,15 +120,17 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory) -> dict:
 @settings(max_examples=examples(60), deadline=None)
 @given(name=st.sampled_from(["k3-tiny", "k3-small", "k3"]), ep=st.integers(1, 12), pp=st.integers(1, 9),
        dp=st.integers(1, 6), extra=st.integers(0, 13), dtype=st.sampled_from(["bf16", "fp32"]),
-       memory=st.sampled_from([2**20, 64 * GIB, 2**60]), tp=st.sampled_from([1, 1, 2, 4]))
-def test_classes_of_ranks_price_like_every_rank(name, ep, pp, dp, extra, dtype, memory, tp):
+       memory=st.sampled_from([2**20, 64 * GIB, 2**60]), tp=st.sampled_from([1, 1, 2, 4]),
+       dispatch=st.sampled_from(["all_reduce", "all_to_all"]))
+def test_classes_of_ranks_price_like_every_rank(name, ep, pp, dp, extra, dtype, memory, tp, dispatch):
     cfg, mesh = preset(name), Mesh(ep, pp, dp, tp)
     try:
-        make_plan(cfg, mesh)
+        make_plan(cfg, mesh, dispatch)
     except PlanError:
         assume(False)
-    want = _every_rank(cfg, _sizes(name), mesh, dp + extra, 1000, dtype, memory)
-    assert evaluate(cfg, _sizes(name), mesh, dp + extra, 1000, dtype, memory) == want
+    assume(dispatch == "all_reduce" or ep * dp <= dp + extra)  # the all-to-all gives every row group a row
+    want = _every_rank(cfg, _sizes(name), mesh, dp + extra, 1000, dtype, memory, dispatch)
+    assert evaluate(cfg, _sizes(name), mesh, dp + extra, 1000, dtype, memory, dispatch=dispatch) == want
 
 
 def test_pricing_does_not_grow_with_the_mesh(monkeypatch):

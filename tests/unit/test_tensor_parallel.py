@@ -282,6 +282,40 @@ def test_k3_on_64_devices_fits_with_tp_ep_and_two_stages_at_most():
     assert not any(r["fits"] for r in rows if r["tp"] == 1 and r["pp"] <= 2)  # what tp adds: ep alone needs 157 GiB
 
 
+def test_plan_prices_each_meshs_all_to_all_beside_its_all_reduce():
+    """`plan --dispatch all-reduce,all-to-all`: every mesh with ep > 1 whose row groups all get a row at this batch
+    also as an all-to-all row. There a rank holds its row group's rows (2 of tp=16,ep=4's 8), so its KDA state and
+    MLA cache are a quarter of the all-reduce rank's, and its all-to-all bytes are the alternative the all-reduce
+    row prices; such meshes rank on their own predicted step. A mesh or batch the all-to-all cannot run is one
+    line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from k3compile.cli import main
+
+    args = ["plan", "k3", "--devices", "64", "--device-memory", "64", "--context", "131072", "--batch", "8"]
+    res = CliRunner().invoke(main, [*args, "--dispatch", "all-reduce,all-to-all", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["meshes"]
+    by = {(r["mesh"], r["dispatch"]): r for r in rows}
+    a2a = [r for r in rows if r["dispatch"] == "all_to_all"]
+    assert a2a and all(r["ep"] > 1 and r["ep"] * r["dp"] <= 8 for r in a2a)
+    assert {r["mesh"] for r in a2a} == {r["mesh"] for r in rows if r["dispatch"] == "all_reduce" and r["ep"] > 1
+                                        and r["ep"] * r["dp"] <= 8}
+    mine, other = by[("tp=16,ep=4", "all_to_all")], by[("tp=16,ep=4", "all_reduce")]
+    for kind in ("kda_state", "mla_cache"):
+        assert mine["device_bytes"][kind] * 4 == other["device_bytes"][kind]
+    assert mine["bytes_per_token"]["all_to_all"] == other["all_to_all_per_token"]["latent"] > 0
+    fitting = [r["predicted"]["step_s"] for r in rows if r["fits"]]
+    assert fitting == sorted(fitting)
+    for extra, why in ((["--mesh", "tp=8,pp=4"], "all-to-all dispatch needs ep > 1"),
+                       (["--mesh", "tp=4,ep=8", "--batch", "4"], "needs a batch of at least 16")):
+        res = CliRunner().invoke(main, [*args[:-2], *extra, *([] if "--batch" in extra else args[-2:]),
+                                        "--dispatch", "all-to-all"])
+        assert res.exit_code != 0 and why in res.output, res.output
+
+
 def test_a_tp_ranks_schedule_and_record():
     """tp=2,pp=2 on k3-tiny: ranks 0, 1 the first stage (the embedding's all-reduce first, then per layer the
     attention's, the MoE's down projection's over tp and latent sums over the stage's group, the MLP's or the MoE
