@@ -13,7 +13,7 @@ KINDS = ("auto", "eager", "onnx", "onnx-reference", "tvm")
 def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str = "auto",
                  threads: int | None = None, device: int | None = None, host: bool = False,
                  progress: Callable[[str], None] | None = None, timeout: float | None = None, wire: str = "fp32",
-                 rendezvous=None):
+                 rendezvous=None, start_timeout: float | None = None):
     """The engine that runs SOURCE as `backend` asks. "auto": an artifact on its own target (llvm in TVM's VM, a GPU
     target on its device's executor; a sharded OUT on its ranks, which the caller ends with `close()`), an export in
     onnxruntime, anything else eager. "onnx" / "tvm" with a preset,
@@ -22,7 +22,8 @@ def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str
     sharded OUT's collectives' (as `run --timeout`; None: its default); `wire`: a sharded OUT's all-to-all vectors on
     the wire (as `run --wire-dtype`; anything but fp32 is refused for every other SOURCE); `rendezvous`: node 0's
     runtime.rendezvous.Rendezvous when a sharded OUT's ranks spread over several machines (refused for any other
-    SOURCE when it names more than one node)."""
+    SOURCE when it names more than one node); `start_timeout`: a sharded OUT's ranks' loading bound (None: its
+    default)."""
     from k3compile.interface import ExportError
     from k3compile.manifest import is_sharded
     from k3compile.source import ARTIFACT, EXPORT, kind_of
@@ -33,7 +34,8 @@ def open_backend(source: str, backend: str = "auto", seed: int = 0, experts: str
         if backend != "auto":
             raise ExportError(f"{source}: a sharded artifact runs on its ranks; --backend {backend} does not apply")
         return ShardedBackend(source, threads, devices=() if device is None else (device,), progress=progress,
-                              wire=wire, rendezvous=rendezvous, **({} if timeout is None else {"timeout": timeout}))
+                              wire=wire, rendezvous=rendezvous, **({} if timeout is None else {"timeout": timeout}),
+                              **({} if start_timeout is None else {"start_timeout": start_timeout}))
     if rendezvous is not None and rendezvous.nnodes > 1:
         raise ExportError(f"--nnodes spreads a sharded OUT's ranks over machines; {source} is not one")
     if wire != "fp32":

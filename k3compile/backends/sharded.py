@@ -104,11 +104,12 @@ class RankState:
 class ShardedBackend:
     def __init__(self, folder: str | Path, threads: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                  devices: tuple[int, ...] = (), progress: Callable[[str], None] | None = None,
-                 wire: str = "fp32", rendezvous=None) -> None:
+                 wire: str = "fp32", rendezvous=None, start_timeout: float = START_S) -> None:
         """`wire`: the all-to-all dispatch's vectors on the wire (as `run --wire-dtype`). `rendezvous` (a
         runtime.rendezvous.Rendezvous of node 0): the ranks spread over its nnodes machines, this one starting its
         share (the others: `k3compile serve OUT --node-rank R` there, runtime/launch.serve_node) and hosting the
-        store on its address; default: every rank here, the store on 127.0.0.1."""
+        store on its address; default: every rank here, the store on 127.0.0.1. `start_timeout`: seconds the ranks
+        may take to load (`--start-timeout`; `timeout` bounds every wait after that)."""
         import torch.distributed as dist
 
         from k3compile.manifest import read_sharded
@@ -128,7 +129,7 @@ class ShardedBackend:
         self._state_cfg = rank_config(self.config, mesh.tp)  # a rank's heads: its state's shapes
         self.ctl = mesh.size  # this process's rank: the world's last
         self.name = f"{doc['target']} over {mesh.size} ranks (mesh {mesh}, {self.plan.dispatch} dispatch)"
-        self.timeout = timeout
+        self.timeout, self.start_timeout = timeout, start_timeout
         # the fewest rows every rank has one of: every replica's token sources (runtime/launch.py's rule)
         self.min_rows = mesh.dp * len(self.plan.token_sources(0))
         self._lock = threading.Lock()
@@ -151,7 +152,8 @@ class ShardedBackend:
         try:
             self._hosted = host_store(rdzv, mesh.size + 1, timeout)
             write_options(self._run_dir, folder.resolve(),
-                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True, wire=wire),
+                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True, wire=wire,
+                                  start_timeout=start_timeout, nnodes=rdzv.nnodes),
                           self._hosted.rendezvous)
             step(f"starting {len(local)} ranks" + (f" (ranks {local.stop}..{mesh.size - 1} join from "
                                                    f"{rdzv.nnodes - 1} more nodes at {self._hosted.rendezvous})"
@@ -328,7 +330,7 @@ class ShardedBackend:
     def _wait_ready(self) -> None:
         """Until every rank has loaded (its key in the store), then GO; a rank that exits meanwhile is named."""
         keys = [f"{READY}{r}" for r in range(self.plan.mesh.size)]
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + self.start_timeout
         while not self._hosted.store.check(keys):
             if any(p.poll() is not None for p in self._procs.values()):
                 raise RuntimeFault(self._cause() or "a rank exited while loading")
@@ -336,7 +338,8 @@ class ShardedBackend:
             if remote is not None:
                 raise RuntimeFault(remote)
             if time.monotonic() > deadline:
-                raise RuntimeFault(f"the ranks did not load their libraries in {START_S:.0f} s")
+                raise RuntimeFault(f"the ranks did not load their libraries within --start-timeout "
+                                   f"{self.start_timeout:g} s")
             time.sleep(0.05)
         self._hosted.store.set(GO, "1")
         self._last = time.monotonic()
@@ -357,17 +360,13 @@ class ShardedBackend:
 
     def _node_failure(self) -> str | None:
         """The line another node's launcher left in the store when its ranks failed (runtime/launch.serve_node)."""
-        from k3compile.runtime.launch import NODE_FAILED
+        from k3compile.runtime.worker import node_failure
 
         store = getattr(self._hosted, "store", None)
-        for n in range(1, self._nnodes if store is not None else 1):
-            key = f"{NODE_FAILED}{n}"
-            try:
-                if store.check([key]):
-                    return f"node {n}: {store.get(key).decode(errors='replace')[:400]}"
-            except (RuntimeError, OSError):
-                return None
-        return None
+        try:
+            return None if store is None or self._nnodes == 1 else node_failure(store, self._nnodes)
+        except (RuntimeError, OSError):
+            return None
 
     def _check(self) -> None:
         if self._closed:

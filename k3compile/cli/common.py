@@ -197,3 +197,12 @@ def stuck_safe(fn):
         click.echo(f"Error: {e}", err=True)
         sys.stderr.flush()
         os._exit(1)
+
+
+# `run` and `serve` of a sharded OUT: how long the ranks may take to load before they wait for each other
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
+START_TIMEOUT_OPTION = click.option(
+    "--start-timeout", "start_timeout", default=600.0, show_default=True,
+    type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
+    help="A sharded OUT: seconds its ranks may take to load their libraries and weights (a large shard takes "
+         "minutes); --timeout bounds every wait after that.")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from k3compile.cli.common import (
+    MAX_TIMEOUT,
     SEED,
+    START_TIMEOUT_OPTION,
     WIRE_OPTION,
     FiniteFloat,
     IntRange,
@@ -16,8 +18,6 @@ from k3compile.cli.common import (
     table_console,
     user_errors,
 )
-
-MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
 
 
 @click.command("run")
@@ -32,7 +32,9 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
               help="CPU threads per rank, at most the cores this process may use [default: those cores / ranks, at "
                    "least 1].")
 @click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
-              help="Seconds a collective (or joining the run) waits for a peer before every rank gives up.")
+              help="Seconds a collective (or joining the run) waits for a peer before every rank gives up; loading "
+                   "is bounded by --start-timeout.")
+@START_TIMEOUT_OPTION
 @node_options
 @click.option("--device", "devices", default=None, metavar="N[,N...]",
               help="GPU ranks: the device index of each of this node's ranks, in rank order (one index: all of them) "
@@ -45,8 +47,8 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
                                             "as the plan predicts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, nnodes, node_rank,
-            rendezvous, devices, micro_batches, wire, stats, as_json, quiet):
+def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, threads, timeout, start_timeout, nnodes,
+            node_rank, rendezvous, devices, micro_batches, wire, stats, as_json, quiet):
     """Decode with FOLDER (`k3compile export --mesh`'s OUT): one worker process per rank on this machine, talking
     over torch.distributed (gloo), nothing listening beyond 127.0.0.1. On several machines run it on each with
     --nnodes, --node-rank and --rendezvous (README)."""
@@ -60,7 +62,8 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
         rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
         res = stuck_safe(lambda: run(folder, Options(prompts, max_new_tokens, temperature, top_p, seed, threads,
                                                      timeout, progress=not quiet and not as_json, devices=devices,
-                                                     micro_batches=micro_batches, wire=wire), rdzv))
+                                                     micro_batches=micro_batches, wire=wire,
+                                                     start_timeout=start_timeout), rdzv))
     if res is None:  # another node's share: node 0 prints the result
         if not quiet:
             click.echo(f"node {node_rank}: its ranks decoded; node 0 has the result", err=True)

@@ -11,7 +11,9 @@ import click
 from k3compile.artifact import Terminated
 from k3compile.backends.choose import KINDS, open_backend
 from k3compile.cli.common import (
+    MAX_TIMEOUT,
     SEED,
+    START_TIMEOUT_OPTION,
     THREADS_HELP,
     WIRE_OPTION,
     FiniteFloat,
@@ -21,7 +23,6 @@ from k3compile.cli.common import (
     stuck_safe,
     user_errors,
 )
-from k3compile.cli.run import MAX_TIMEOUT
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
 from k3compile.serving.app import DEFAULT_CACHE_BYTES
@@ -63,11 +64,12 @@ LOCAL = "127.0.0.1"
               help="A sharded OUT: seconds a collective waits for a rank (as `run --timeout`); a step, a long "
                    "prompt's chunk included, must finish within it.")
 @WIRE_OPTION
+@START_TIMEOUT_OPTION
 @node_options
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
-            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, nnodes, node_rank,
-            rendezvous, quiet):
+            prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, start_timeout, nnodes,
+            node_rank, rendezvous, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
     (streamed or not), /v1/models, /health, /metrics. Binds 127.0.0.1 unless --host says otherwise. A sharded OUT
     over several machines: this command on each, node 0 the server (README)."""
@@ -78,14 +80,14 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
     with user_errors():
         rdzv = Rendezvous.parse(rendezvous, nnodes, node_rank)
         if rdzv.node_rank > 0:
-            _serve_node(source, rdzv, threads, device, timeout, wire, quiet)
+            _serve_node(source, rdzv, threads, device, timeout, wire, start_timeout, quiet)
             return
         cfg = load_config(source)
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
             engine_backend = stuck_safe(lambda: open_backend(
                 source, backend, seed=weight_seed, experts=experts, threads=threads, device=device, progress=step,
-                timeout=timeout, wire=wire, rendezvous=rdzv if nnodes > 1 else None))
+                timeout=timeout, wire=wire, rendezvous=rdzv if nnodes > 1 else None, start_timeout=start_timeout))
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
                    cache_block, prefix_cache_bytes, quiet)
@@ -96,7 +98,7 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
             click.echo("server stopped", err=True)
 
 
-def _serve_node(source, rdzv, threads, device, timeout, wire, quiet) -> None:
+def _serve_node(source, rdzv, threads, device, timeout, wire, start_timeout, quiet) -> None:
     """Node R > 0 of a served sharded OUT: its ranks, until node 0's server stops them (runtime/launch.serve_node)."""
     from k3compile.manifest import is_sharded
     from k3compile.runtime.launch import serve_node
@@ -108,7 +110,8 @@ def _serve_node(source, rdzv, threads, device, timeout, wire, quiet) -> None:
     if not quiet:
         click.echo(f"node {rdzv.node_rank}: starting its ranks for the server at {rdzv}", err=True)
     stuck_safe(lambda: serve_node(source, Options([], 0, threads=threads, timeout=timeout,
-                                                   devices=() if device is None else (device,), wire=wire), rdzv))
+                                                  devices=() if device is None else (device,), wire=wire,
+                                                  start_timeout=start_timeout), rdzv))
     if not quiet:
         click.echo(f"node {rdzv.node_rank}: the server stopped its ranks", err=True)
 

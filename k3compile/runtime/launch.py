@@ -35,6 +35,7 @@ from k3compile.runtime.worker import (
     Options,
     RuntimeFault,
     error_file,
+    report_failure,
     write_options,
 )
 
@@ -87,7 +88,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
                                f"({len(options.prompts)} prompts over dp={plan.mesh.dp})")
     device_env = device_env_of(doc["target"], options.devices, per_node)
     threads = capped(options.threads) if options.threads else default_threads(per_node)
-    options = dataclasses.replace(options, threads=threads)
+    options = dataclasses.replace(options, threads=threads, nnodes=rdzv.nnodes)
     ifname = interface_of(rdzv)
     run_dir = Path(tempfile.mkdtemp(prefix="k3compile-run-"))  # 0700: only this user reads or writes it
     procs: dict[int, subprocess.Popen] = {}
@@ -95,13 +96,13 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     try:
         if rdzv.node_rank == 0:
             hosted = host_store(rdzv, world, options.timeout)
-            rdzv = hosted.rendezvous
+            rdzv, store = hosted.rendezvous, hosted.store
         else:
-            join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
+            store = join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
         write_options(run_dir, folder.resolve(), options, rdzv)
         first = rdzv.node_rank * per_node
         procs.update(spawn(run_dir, range(first, first + per_node), world, threads, ifname, device_env))
-        _watch(procs, run_dir)
+        _watch_node(procs, run_dir, store, rdzv.node_rank)
         if rdzv.node_rank != 0:
             return None
         results = json.loads((run_dir / RESULT).read_text())
@@ -111,11 +112,6 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if hosted is not None:
             hosted.close()
     return summarize(folder, results)
-
-
-# A node of a server's mesh that fails (runtime/worker.serve_rank's ranks on a machine other than the server's) writes
-# its one line under this key + its node rank into the run's store, where the server reads it (backends/sharded.py).
-NODE_FAILED = "k3compile/serve/failed/"
 
 
 def node_share(plan, rdzv: Rendezvous) -> range:
@@ -144,7 +140,7 @@ def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> 
     ranks = node_share(plan, rendezvous)
     device_env = device_env_of(doc["target"], options.devices, len(ranks))
     threads = capped(options.threads) if options.threads else default_threads(len(ranks))
-    options = dataclasses.replace(options, threads=threads, serve=True)
+    options = dataclasses.replace(options, threads=threads, serve=True, nnodes=rendezvous.nnodes)
     ifname = interface_of(rendezvous)
     store = join(rendezvous, options.timeout)  # one line, within the timeout, when the server is not there
     run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
@@ -152,14 +148,7 @@ def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> 
     try:
         write_options(run_dir, folder.resolve(), options, rendezvous)
         procs.update(spawn(run_dir, ranks, plan.mesh.size + 1, threads, ifname, device_env))
-        try:
-            _watch(procs, run_dir)
-        except RuntimeFault as e:
-            try:
-                store.set(f"{NODE_FAILED}{rendezvous.node_rank}", str(e))
-            except (RuntimeError, OSError):  # the server is gone too
-                pass
-            raise
+        _watch_node(procs, run_dir, store, rendezvous.node_rank)
     finally:
         stop_all(procs)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -192,6 +181,20 @@ def device_env_of(target: str, devices, per_node: int) -> list[dict]:
                            "rank, or one for all)")
     name = device_variable(target)
     return [{name: str(devices[i if len(devices) > 1 else 0])} for i in range(per_node)]
+
+
+def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: int) -> None:
+    """_watch this node's workers; a failure's line also goes into the run's store (NODE_FAILED + the node), where the
+    other nodes' ranks waiting for every rank to load (worker.loaded) and a server (backends/sharded.py) read it
+    (worker.report_failure)."""
+    try:
+        _watch(procs, run_dir)
+    except RuntimeFault as e:
+        try:
+            report_failure(store, node, str(e))
+        except (RuntimeError, OSError):  # the store's host is gone too
+            pass
+        raise
 
 
 def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:

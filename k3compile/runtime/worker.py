@@ -26,6 +26,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,12 @@ from k3compile.errors import UserError
 from k3compile.sharding.plan import A2A_DISPATCH, A2A_ID_COLUMN, AR_LATENT, AR_PARTS
 
 DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a peer
+START_S = 600.0  # seconds every rank's loading (its library and weights) may take: `--start-timeout`'s default
+# Where a node's launcher leaves its one line when one of its ranks failed (+ its node rank): the other nodes' ranks
+# stop waiting for the ranks to load (loaded), a server names it (backends/sharded.py).
+NODE_FAILED = "k3compile/failed/"
+ANY_FAILED = "k3compile/failures"  # a count of those lines: one key to poll
+LOADED = "k3compile/loaded/"  # + rank: set when the rank has loaded (loaded)
 
 
 class RuntimeFault(UserError):
@@ -67,6 +74,8 @@ class Options:
     serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
     micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.step)
     wire: str = "fp32"  # the all-to-all's latent vectors on the wire: fp32 (exact) or bf16 (Rank._exchange)
+    start_timeout: float = START_S  # seconds loading may take before the ranks wait for each other (loaded)
+    nnodes: int = 1  # the machines the world spans (each node's failure key: NODE_FAILED)
 
 
 class Rank:
@@ -403,6 +412,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                             timeout=datetime.timedelta(seconds=options.timeout))
     try:
         me = Rank(Path(folder), rank, world, options)
+        loaded(store, rank, world, options)  # no collective waits on a rank that is still loading
         cfg, p = me.cfg, me.p
         if options.progress:
             print(f"rank {rank} (pid {os.getpid()}, {socket.gethostname()}): layers [{p.layers[0]}, {p.layers[1]}), "
@@ -469,6 +479,41 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         dist.destroy_process_group()
 
 
+def loaded(store, rank: int, world: int, options: Options, poll: float = 0.05) -> None:
+    """Say this rank has loaded, then wait until all `world` ranks have: loading a large shard takes minutes and
+    varies by rank, so it is bounded by `start_timeout`, not by the collectives' `timeout`, which then bounds every
+    wait of the decode. A node whose rank failed meanwhile (its key NODE_FAILED + n) ends the wait with its line."""
+    store.set(f"{LOADED}{rank}", "1")
+    keys = [f"{LOADED}{r}" for r in range(world)]
+    deadline = time.monotonic() + options.start_timeout
+    while not store.check(keys):
+        failed = node_failure(store, options.nnodes)
+        if failed is not None:
+            raise RuntimeFault(f"rank {rank}: the ranks stopped while loading ({failed[:300]})")
+        if time.monotonic() > deadline:
+            late = [r for r in range(world) if not store.check([f"{LOADED}{r}"])]
+            raise RuntimeFault(f"rank {rank}: rank(s) {late[:8]} did not load within --start-timeout "
+                               f"{options.start_timeout:g} s")
+        time.sleep(poll)
+
+
+def report_failure(store, node: int, line: str) -> None:
+    """A node's launcher: its failure's line into the run's store, for the other nodes and a server."""
+    store.set(f"{NODE_FAILED}{node}", line)
+    store.add(ANY_FAILED, 1)  # after the line: whoever sees the count finds it
+
+
+def node_failure(store, nnodes: int) -> str | None:
+    """"node n: <its line>" of the first node that reported a failure (report_failure), or None."""
+    if not store.check([ANY_FAILED]):
+        return None
+    for n in range(nnodes):
+        key = f"{NODE_FAILED}{n}"
+        if store.check([key]):
+            return f"node {n}: {store.get(key).decode(errors='replace')[:400]}"
+    return None
+
+
 # ---- a server's rank (docs/architecture.md, "Serving a sharded artifact") ------------------------------------------
 # The controller (backends/sharded.py, the world's last rank) broadcasts a header of HEADER int64s over the world's
 # default group: (command, slot, slot out, rows, tokens, past length, keep); then, by command:
@@ -486,7 +531,6 @@ HEADER = 7
 STOP, NOOP, FREE, PUT, GET, STEP, STEP_ALL = range(7)
 EMPTY = -1  # the slot of a state no token has entered
 READY, GO = "k3compile/serve/ready/", "k3compile/serve/go"  # the store's keys of the start
-START_S = 1800.0  # seconds loading every rank's library may take before the controller gives up
 
 
 def holds_rows(plan, r: int) -> bool:
@@ -527,7 +571,7 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
         me = Rank(Path(folder), rank, world, options)
         cfg, plan, p, ctl = me.state_cfg, me.plan, me.p, world - 1
         store.set(f"{READY}{rank}", "1")  # loaded; the controller says go when every rank is (loading takes long)
-        store.wait([GO], datetime.timedelta(seconds=START_S))
+        store.wait([GO], datetime.timedelta(seconds=options.start_timeout))
         set_collective(me.collective)
         slots: dict[int, list] = {}
         masks: dict[int, torch.Tensor] = {}  # each slot's attention mask, all rows [rows, past]
