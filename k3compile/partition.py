@@ -217,9 +217,9 @@ class _Exchange:
     destination with room for all of this rank's slots (static shapes, nothing dropped; slots for other ranks are
     zero, id -1); each rank runs its experts on what arrives (MoE.routed_local) and sends the weighted outputs back,
     where each token sums its slots. The runtime moves only the routed rows (runtime/worker.py, Rank._exchange).
-    With tp > 1 the tp ranks of a row group share its rows: rank t dispatches only the slots j (of the rows' n·k,
-    flattened) with j mod tp = t (plan.slot_share), the others go nowhere (id -1), and its sum is that share's, which
-    MoE.reduce sums over the group (AR_ROUTED)."""
+    With tp > 1 the tp ranks of a row group share its rows: rank t dispatches only each row's i-th slot for i mod
+    tp = t (plan.slot_share), the others go nowhere (id -1), and its sum is that share's, which MoE.reduce sums over
+    the group (AR_ROUTED)."""
 
     def __init__(self, tag: int, slices: tuple[tuple[int, int], ...], t: int = 0, tp: int = 1) -> None:
         self.tag, self.bounds, self.group = tag, [b for _, b in slices[:-1]], len(slices)
@@ -232,10 +232,8 @@ class _Exchange:
         g, d = self.group, z.shape[-1]
         owner = (idx.unsqueeze(-1) >= torch.tensor(self.bounds, dtype=idx.dtype)).sum(-1)  # [n, k]: its rank
         hit = owner.unsqueeze(0) == torch.arange(g, dtype=owner.dtype).view(g, 1, 1)  # [g, n, k]
-        if self.tp > 1:  # this rank's share of the row group's slots
-            row = torch.ones_like(idx).cumsum(0) - 1  # [n, k]: each slot's row (n is symbolic: no arange over it)
-            mine = (row * k + torch.arange(k, dtype=idx.dtype)) % self.tp == self.t  # slot j = row · k + its place
-            hit = hit & mine.unsqueeze(0)
+        if self.tp > 1:  # this rank's share of the row group's slots: a static [k] mask, whatever the rows
+            hit = hit & (torch.arange(k) % self.tp == self.t).view(1, 1, k)
         vectors = torch.where(hit.unsqueeze(-1), z.float().view(1, n, 1, d), 0.0)
         ids = torch.where(hit, idx.unsqueeze(0), -1).float()  # exact in fp32 below 2**24: .long() gives them back
         weights = torch.where(hit, w.float().unsqueeze(0), 0.0)

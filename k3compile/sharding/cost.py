@@ -144,7 +144,7 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
     exactly: Fraction)."""
     rows = plan.rank_rows(batch, rank)[2]  # padded: what the static shapes carry (padding rows are routed too)
     slots = rows * cfg.num_experts_per_token  # its row group's
-    own = slot_share(slots, plan.rank(rank).tensor, plan.mesh.tp)  # those it dispatches (all of them at tp = 1)
+    own = slot_share(rows, cfg.num_experts_per_token, plan.rank(rank).tensor, plan.mesh.tp)  # all of them at tp 1
     lo, hi = plan.rank(rank).experts
     here = Fraction(hi - lo, cfg.num_experts) if cfg.num_experts else Fraction(0)
     moved = {"dispatch": own * (1 - here), "outputs": (plan.mesh.ep * slots - own) * here}  # every group's slots

@@ -21,7 +21,7 @@ closed blocks' summaries (`carry_names`). Two ways to join the expert slices (`d
   vector, expert id and weight (one row) to the rank holding that expert and the weighted outputs come back. The
   graph's buffers have room for all of the sender's slots (static shapes, nothing is dropped); on the wire only the
   routed rows move, after a count per destination (runtime/worker.py). With tp > 1 each rank of a group sends its
-  share of the slots (`slot_share`: slot j of the rows' n·k goes from rank j mod tp), and the group all-reduces
+  share of the slots (`slot_share`: a row's i-th of its top-k goes from rank i mod tp), and the group all-reduces
   its ranks' routed sums (AR_ROUTED) before the latent norm.
 
 `schedule(rank)` is a rank's step: receive the carry, run its layers (with those collectives), send the carry on,
@@ -169,10 +169,11 @@ AR_LATENT, AR_ATTENTION, AR_FFN, AR_EMBED, AR_LATENT_IN, AR_ROUTED = range(len(A
 AR_LATENT_WIDTH = (AR_LATENT, AR_LATENT_IN, AR_ROUTED)  # the parts summed at the latent width D_e (the others at D)
 
 
-def slot_share(slots: int, t: int, tp: int) -> int:
-    """How many of a row group's `slots` token slots (rows x top-k, flattened) rank t of its tp ranks dispatches with
-    the all-to-all: those j with j mod tp = t (partition._Exchange)."""
-    return len(range(t, slots, tp))
+def slot_share(rows: int, top_k: int, t: int, tp: int) -> int:
+    """How many of a row group's token slots (`rows` x `top_k`) rank t of its tp ranks dispatches with the
+    all-to-all: each row's i-th slot for i mod tp = t (partition._Exchange; a static mask over the top-k, whatever
+    the rows: tp dividing top-k, as K3's 16, gives each rank an equal share)."""
+    return rows * len(range(t, top_k, tp))
 
 
 @dataclass(frozen=True)

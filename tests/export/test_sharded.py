@@ -139,7 +139,7 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4, gree
     its last layer) to the next stage, and the last stage's first shard broadcasts the rows' int64 tokens.
     All-to-all: the ep row groups (tp ranks each) hold ceil(rows / ep) rows (padded by repeating the last); per MoE
     layer a rank sends each of the stage's other ranks an int64 count, then exactly those of the slots it dispatches
-    (its group's rows x top-k, flattened; with tp > 1 only the slots j with j mod tp = its t) that eager's router
+    (its group's rows x top-k; with tp > 1 only each row's i-th slot for i mod tp = its t) that eager's router
     (`routing`: decode_routing) sends to experts outside its slice (a row of the fp32 latent vector, expert id and
     weight each), and back the fp32 outputs of the slots the other ranks dispatch into its slice; every row group's
     first shard on the last stage broadcasts its rows' tokens. `wire`: the bytes of a vector element on the
@@ -175,8 +175,8 @@ def accounted(cfg, plan, rank: int, rows: int, routing=None, wire: int = 4, gree
         def dispatched(r, layer_ids):  # the shard holding each slot's expert, of the slots rank r dispatches
             lo, hi, padded = plan.rank_rows(rows, r)
             mine = layer_ids[list(range(lo, hi)) + [hi - 1] * (padded - (hi - lo))]
-            owner = sum((mine >= hi_e).long() for _, hi_e in plan.slices[:-1]).flatten()
-            return owner[plan.rank(r).tensor::tp]
+            owner = sum((mine >= hi_e).long() for _, hi_e in plan.slices[:-1])  # [rows, top-k]
+            return owner[:, plan.rank(r).tensor::tp]
 
         for step in routing:
             for i in range(a, b):

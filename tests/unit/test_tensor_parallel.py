@@ -205,9 +205,9 @@ def test_the_all_to_all_with_tp_splits_rows_by_group_and_slots_by_rank(batch):
     2, 3 row group 1, each group's rows the even split padded to the first's count; the token sources are each
     group's first shard, to which its partner gathers. Per MoE layer the schedule is the down projection's
     all-reduce over tp, the two all-to-alls over the stage's four ranks, the routed sums' all-reduce over tp, then
-    the output's. The plan's all-to-all bytes, under uniform routing, by the hand rule: a rank sends its half of its
-    group's rows x top-k slots (j mod 2 = t), of which 6/8 leave it, with 3 int64 counts; its 2/8 of the experts get
-    the slots that the other three ranks send, whose outputs go back."""
+    the output's. The plan's all-to-all bytes, under uniform routing, by the hand rule: a rank sends one of each of
+    its group's rows' two slots (the i-th for i mod 2 = t), of which 6/8 leave it, with 3 int64 counts; its 2/8 of
+    the experts get the slots that the other three ranks send, whose outputs go back."""
     from fractions import Fraction
 
     from k3compile.sharding.plan import AR_ATTENTION, AR_FFN, AR_LATENT_IN, AR_ROUTED, even_slices
@@ -234,7 +234,7 @@ def test_the_all_to_all_with_tp_splits_rows_by_group_and_slots_by_rank(batch):
         assert [(c["op"], c["tag"], c["part"], c["group"]) for c in sched[0]["collectives"]] == want
         k, de, e = cfg.num_experts_per_token, cfg.latent_size, cfg.num_experts
         slots = padded * k
-        own = len([j for j in range(slots) if j % 2 == r % 2])
+        own = padded * len([i for i in range(k) if i % 2 == r % 2])
         here = Fraction(2, e)
         per_layer = 3 * 8 + round(own * (1 - here) * (de * 4 + 8)) + round((2 * slots - own) * here * de * 4)
         moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
