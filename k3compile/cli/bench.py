@@ -10,13 +10,11 @@ from pathlib import Path
 import click
 
 from k3compile.bench import BACKENDS, LLAMA, MAX_REPEATS
-from k3compile.cli.common import IntRange, dumps, status, user_errors
+from k3compile.cli.common import DISPATCH_FLAGS, IntRange, dumps, name_list, status, user_errors
 from k3compile.errors import UserError
-from k3compile.sharding.plan import DISPATCH
 
 MAX_SIZE = 2**31 - 1  # every size (docs/architecture.md, "Errors")
 _POSITIVE = re.compile(r"\s*0*[1-9][0-9]{0,9}\s*")  # ASCII digits only: int() would also take "1_0" and "２"
-DISPATCH_FLAGS = {d.replace("_", "-"): d for d in DISPATCH}  # the CLI spelling of the plan's vocabulary
 
 
 def _sizes(ctx, param, text: str) -> tuple[int, ...]:
@@ -28,15 +26,6 @@ def _sizes(ctx, param, text: str) -> tuple[int, ...]:
     return values
 
 
-def _names(choices):
-    def parse(ctx, param, text: str) -> tuple[str, ...]:
-        """A list like eager,tvm: distinct names from `choices`, no empty item."""
-        names = tuple(t.strip() for t in text.split(","))
-        if not set(names) <= set(choices) or len(set(names)) != len(names):
-            raise click.BadParameter(f"{text!r}: expected distinct names from {', '.join(choices)}")
-        return names
-
-    return parse
 
 
 def _meshes(ctx, param, texts: tuple[str, ...]) -> tuple[str, ...]:
@@ -88,7 +77,7 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 
 @click.command("bench")
 @click.argument("source", default="k3-small")
-@click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=_names(BACKENDS),
+@click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=name_list(BACKENDS),
               help="Comma-separated: eager, onnx, tvm, tvm-mxfp8 (TVM with the dense matrices exported as MXFP8: "
                    "--dense-weights mxfp8), opencl (the OpenCL executor: SOURCE compiled for opencl), "
                    "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow), webgpu "
@@ -116,12 +105,12 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="Instead: distributed decode over each mesh given (repeat the option; `k3compile run` on this "
                    "machine), decode tokens/s and bytes per token; --decode-batches' first size is the batch.")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
-              callback=_names(tuple(DISPATCH_FLAGS)),
+              callback=name_list(tuple(DISPATCH_FLAGS)),
               help="With --mesh: comma-separated all-reduce, all-to-all; a mesh with ep > 1 runs once per dispatch.")
 @click.option("--micro-batches", "micro_batches", default="1", show_default=True, callback=_sizes,
               help="With --mesh: comma-separated micro-batch counts; a mesh with pp > 1 runs once per count (`run "
                    "--micro-batches`).")
-@click.option("--wire-dtype", "wires", default="fp32", show_default=True, callback=_names(("fp32", "bf16")),
+@click.option("--wire-dtype", "wires", default="fp32", show_default=True, callback=name_list(("fp32", "bf16")),
               help="With --mesh: comma-separated fp32, bf16; an all-to-all run goes once per wire dtype (`run "
                    "--wire-dtype`).")
 @click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None, metavar="PATH",

@@ -15,6 +15,7 @@ import click
 from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
 from k3compile.export import DEFAULT_TOL
+from k3compile.sharding.plan import DISPATCH
 
 __all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dense_summary", "dumps", "parse_ids",
            "progress", "status", "user_errors"]
@@ -206,3 +207,18 @@ START_TIMEOUT_OPTION = click.option(
     type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
     help="A sharded OUT: seconds its ranks may take to load their libraries and weights (a large shard takes "
          "minutes); --timeout bounds every wait after that.")
+
+
+def name_list(choices):
+    """A click callback: a list like eager,tvm of distinct names from `choices`, no empty item."""
+    def parse(ctx, param, text: str) -> tuple[str, ...]:
+        names = tuple(t.strip() for t in text.split(","))
+        if not set(names) <= set(choices) or len(set(names)) != len(names):
+            raise click.BadParameter(f"{text!r}: expected distinct names from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+# `--dispatch` (bench --mesh, plan): the CLI spelling of the plan's vocabulary
+DISPATCH_FLAGS = {d.replace("_", "-"): d for d in DISPATCH}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.bench import DISPATCH_FLAGS, _names
-from k3compile.cli.common import FiniteFloat, IntRange, dumps, table_console, user_errors
+from k3compile.cli.common import DISPATCH_FLAGS, FiniteFloat, IntRange, dumps, name_list, table_console, user_errors
 from k3compile.sharding.plan import MAX_RANKS
 
 GIB = 2**30
@@ -39,7 +38,7 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
               help="Price each mesh with pp > 1 running its rows as this many micro-batches (run --micro-batches; "
                    "at most a replica's rows).")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
-              callback=_names(tuple(DISPATCH_FLAGS)),
+              callback=name_list(tuple(DISPATCH_FLAGS)),
               help="Comma-separated all-reduce, all-to-all: each mesh with ep > 1 priced once per dispatch (the "
                    "all-to-all where the batch gives every row group of every replica a row).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")

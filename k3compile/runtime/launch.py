@@ -128,7 +128,7 @@ def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> 
     """`k3compile serve OUT --nnodes N --node-rank R` on a node R > 0: this machine's share of the ranks, in serve
     mode (runtime/worker.serve_rank), in the world of node 0's server (backends/sharded.py, which hosts the store and
     is the world's last process). Returns when the server stops them; a rank that fails stops the others, its line
-    goes into the store for the server (NODE_FAILED) and raises here."""
+    goes into the store for the server (worker.report_failure) and raises here."""
     from k3compile.manifest import read_sharded
     from k3compile.threads import capped
 
@@ -184,9 +184,8 @@ def device_env_of(target: str, devices, per_node: int) -> list[dict]:
 
 
 def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: int) -> None:
-    """_watch this node's workers; a failure's line also goes into the run's store (NODE_FAILED + the node), where the
-    other nodes' ranks waiting for every rank to load (worker.loaded) and a server (backends/sharded.py) read it
-    (worker.report_failure)."""
+    """_watch this node's workers; a failure's line also goes into the run's store (worker.report_failure), where the
+    other nodes' ranks waiting for every rank to load (worker.loaded) and a server (backends/sharded.py) read it."""
     try:
         _watch(procs, run_dir)
     except RuntimeFault as e:
