@@ -15,6 +15,7 @@ import click
 from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
 from k3compile.export import DEFAULT_TOL
+from k3compile.runtime.worker import START_S
 from k3compile.sharding.plan import DISPATCH
 
 __all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dense_summary", "dumps", "parse_ids",
@@ -203,7 +204,7 @@ def stuck_safe(fn):
 # `run` and `serve` of a sharded OUT: how long the ranks may take to load before they wait for each other
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch's timedelta
 START_TIMEOUT_OPTION = click.option(
-    "--start-timeout", "start_timeout", default=600.0, show_default=True,
+    "--start-timeout", "start_timeout", default=START_S, show_default=True,
     type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
     help="A sharded OUT: seconds its ranks may take to load their libraries and weights (a large shard takes "
          "minutes); --timeout bounds every wait after that.")
