@@ -52,6 +52,7 @@ from k3compile.runtime.worker import (
     STOP,
     Options,
     RuntimeFault,
+    collective_timeout,
     holds_rows,
     own_rows,
     process_groups,
@@ -160,7 +161,7 @@ class ShardedBackend:
                                                    if rdzv.nnodes > 1 else ""))
             self._procs = spawn(self._run_dir, local, mesh.size + 1, threads, interface_of(self._hosted.rendezvous),
                                 device_env)
-            delta = datetime.timedelta(seconds=timeout)
+            delta = datetime.timedelta(seconds=start_timeout)  # joining: the start-up bound (collective_timeout)
             _fresh_world()
             with _gloo_interface(interface_of(self._hosted.rendezvous)):  # as the ranks': loopback, nothing beyond
                 self._joined(lambda: dist.init_process_group("gloo", store=self._hosted.store, rank=self.ctl,
@@ -169,6 +170,7 @@ class ShardedBackend:
                 self._work = self._joined(lambda: dist.new_group(list(range(mesh.size + 1)), timeout=delta))
             step("loading the ranks' libraries")
             self._wait_ready()
+            collective_timeout([None, self._work], timeout)  # its groups: the world and the work group
         except BaseException:
             self.close()
             raise

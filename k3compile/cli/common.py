@@ -206,8 +206,8 @@ MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: past it a timeout only overflows torch'
 START_TIMEOUT_OPTION = click.option(
     "--start-timeout", "start_timeout", default=START_S, show_default=True,
     type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
-    help="A sharded OUT: seconds its ranks may take to load their libraries and weights (a large shard takes "
-         "minutes); --timeout bounds every wait after that.")
+    help="A sharded OUT: seconds its ranks may take to start, join each other and load their libraries and "
+         "weights (a large shard takes minutes); --timeout bounds every wait after that.")
 
 
 def name_list(choices):

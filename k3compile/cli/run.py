@@ -32,8 +32,8 @@ from k3compile.cli.common import (
               help="CPU threads per rank, at most the cores this process may use [default: those cores / ranks, at "
                    "least 1].")
 @click.option("--timeout", default=60.0, show_default=True, type=FiniteFloat(min=1.0, max=MAX_TIMEOUT),
-              help="Seconds a collective (or joining the run) waits for a peer before every rank gives up; loading "
-                   "is bounded by --start-timeout.")
+              help="Seconds a collective waits for a peer before every rank gives up (and a node waits to reach "
+                   "node 0); starting and loading are bounded by --start-timeout.")
 @START_TIMEOUT_OPTION
 @node_options
 @click.option("--device", "devices", default=None, metavar="N[,N...]",

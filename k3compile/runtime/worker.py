@@ -98,7 +98,7 @@ class Rank:
         self.schedule = self.entry["schedule"]
         self.stats = Stats()
         self.wire = options.wire
-        timeout = datetime.timedelta(seconds=options.timeout)
+        timeout = datetime.timedelta(seconds=options.start_timeout)  # joining: the start-up bound (started())
         ep_groups, tp_groups, replicas = process_groups(self.plan, timeout)
         self.ep_group = ep_groups[self.p.replica, self.p.stage]
         self.tp_group = tp_groups.get((self.p.replica, self.p.stage, self.p.shard // self.plan.mesh.tp))
@@ -106,7 +106,12 @@ class Rank:
         # a server's world also holds its controller (backends/sharded.py): tensors go point to point in a group of
         # every process, the controller's commands over the default group (kept alive while the server is idle)
         self.work = dist.new_group(list(range(world)), timeout=timeout) if options.serve else None
+        self.groups = [None, *ep_groups.values(), *tp_groups.values(), *replicas.values(), self.work]
         self._load(folder)
+
+    def started(self, timeout: float) -> None:
+        """Start-up is over (every rank joined and loaded): from now on every collective waits at most `timeout`."""
+        collective_timeout(self.groups, timeout)
 
     def _load(self, folder: Path) -> None:
         """The rank's graph in TVM's VM (llvm), or its launch plan on its device's executor (a GPU target: the
@@ -409,10 +414,11 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         use_threads(options.threads)  # before TVM's pool starts (Rank._load)
     torch.set_num_threads(1)  # a rank's model runs in TVM; torch only glues (threads.glue_threads)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=options.timeout))
+                            timeout=datetime.timedelta(seconds=options.start_timeout))  # joining: start-up
     try:
         me = Rank(Path(folder), rank, world, options)
         loaded(store, rank, world, options)  # no collective waits on a rank that is still loading
+        me.started(options.timeout)
         cfg, p = me.cfg, me.p
         if options.progress:
             print(f"rank {rank} (pid {os.getpid()}, {socket.gethostname()}): layers [{p.layers[0]}, {p.layers[1]}), "
@@ -481,8 +487,9 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
 def loaded(store, rank: int, world: int, options: Options, poll: float = 0.05) -> None:
     """Say this rank has loaded, then wait until all `world` ranks have: loading a large shard takes minutes and
-    varies by rank, so it is bounded by `start_timeout`, not by the collectives' `timeout`, which then bounds every
-    wait of the decode. A node whose rank failed meanwhile (its key NODE_FAILED + n) ends the wait with its line."""
+    varies by rank, so it is bounded by `start_timeout` (as joining the world is), not by the collectives'
+    `timeout`, which then bounds every wait of the decode (Rank.started). A node whose rank failed meanwhile (its
+    key NODE_FAILED + n) ends the wait with its line."""
     store.set(f"{LOADED}{rank}", "1")
     keys = [f"{LOADED}{r}" for r in range(world)]
     deadline = time.monotonic() + options.start_timeout
@@ -495,6 +502,20 @@ def loaded(store, rank: int, world: int, options: Options, poll: float = 0.05) -
             raise RuntimeFault(f"rank {rank}: rank(s) {late[:8]} did not load within --start-timeout "
                                f"{options.start_timeout:g} s")
         time.sleep(poll)
+
+
+def collective_timeout(groups, timeout: float) -> None:
+    """Every group of `groups` this process belongs to (None: the default group) waits at most `timeout` seconds in a
+    collective from now on. The groups were made with the start-up bound, which their joining honours (processes of
+    a large mesh start and connect unevenly); torch sets a gloo group's wait apart from its joining only through its
+    private `_set_pg_timeout` (torch 2.13, pinned)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout
+
+    delta = datetime.timedelta(seconds=timeout)
+    for g in groups:
+        if g is None or (g is not dist.GroupMember.NON_GROUP_MEMBER and not _rank_not_in_group(g)):
+            _set_pg_timeout(delta, g)
 
 
 def report_failure(store, node: int, line: str) -> None:
@@ -566,12 +587,13 @@ def serve_rank(folder: str | Path, options: Options, rank: int, world: int, stor
         use_threads(options.threads)
     torch.set_num_threads(1)  # as in decode
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=options.timeout))
+                            timeout=datetime.timedelta(seconds=options.start_timeout))  # joining: start-up
     try:
         me = Rank(Path(folder), rank, world, options)
         cfg, plan, p, ctl = me.state_cfg, me.plan, me.p, world - 1
         store.set(f"{READY}{rank}", "1")  # loaded; the controller says go when every rank is (loading takes long)
         store.wait([GO], datetime.timedelta(seconds=options.start_timeout))
+        me.started(options.timeout)
         set_collective(me.collective)
         slots: dict[int, list] = {}
         masks: dict[int, torch.Tensor] = {}  # each slot's attention mask, all rows [rows, past]
