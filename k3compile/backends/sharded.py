@@ -114,9 +114,8 @@ class ShardedBackend:
         import torch.distributed as dist
 
         from k3compile.manifest import read_sharded
-        from k3compile.runtime.launch import check_wire, default_threads, device_env_of, node_share, spawn
+        from k3compile.runtime.launch import check_wire, node_options, node_share, spawn
         from k3compile.runtime.rendezvous import Rendezvous, RendezvousError, host_store, interface_of
-        from k3compile.threads import capped
 
         step = progress or (lambda msg: None)
         folder = Path(folder)
@@ -145,22 +144,20 @@ class ShardedBackend:
                                   "--nnodes N --node-rank R --rendezvous HOST:PORT`, which starts their ranks")
         local = node_share(self.plan, rdzv)
         self._nnodes = rdzv.nnodes
-        threads = capped(threads) if threads else default_threads(len(local))
-        device_env = device_env_of(doc["target"], devices, len(local))
+        options, device_env = node_options(doc, Options([], 0, threads=threads, timeout=timeout, devices=devices,
+                                                        wire=wire, start_timeout=start_timeout), local, rdzv,
+                                           serve=True)
         self._run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
         self._procs: dict = {}
         self._hosted = None
         try:
             self._hosted = host_store(rdzv, mesh.size + 1, timeout)
-            write_options(self._run_dir, folder.resolve(),
-                          Options([], 0, threads=threads, timeout=timeout, devices=devices, serve=True, wire=wire,
-                                  start_timeout=start_timeout, nnodes=rdzv.nnodes),
-                          self._hosted.rendezvous)
+            write_options(self._run_dir, folder.resolve(), options, self._hosted.rendezvous)
             step(f"starting {len(local)} ranks" + (f" (ranks {local.stop}..{mesh.size - 1} join from "
                                                    f"{rdzv.nnodes - 1} more nodes at {self._hosted.rendezvous})"
                                                    if rdzv.nnodes > 1 else ""))
-            self._procs = spawn(self._run_dir, local, mesh.size + 1, threads, interface_of(self._hosted.rendezvous),
-                                device_env)
+            self._procs = spawn(self._run_dir, local, mesh.size + 1, options.threads,
+                                interface_of(self._hosted.rendezvous), device_env)
             delta = datetime.timedelta(seconds=start_timeout)  # joining: the start-up bound (collective_timeout)
             _fresh_world()
             with _gloo_interface(interface_of(self._hosted.rendezvous)):  # as the ranks': loopback, nothing beyond

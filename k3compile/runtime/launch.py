@@ -64,14 +64,13 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     Returns summarize()'s document on node 0, None on the other nodes."""
     from k3compile.generate import check_request
     from k3compile.manifest import read_sharded
-    from k3compile.threads import capped
 
     rdzv = rendezvous or Rendezvous()
     folder = Path(folder)
     doc, cfg, plan = read_sharded(folder)
     check_request(cfg, options.prompts, options.max_new_tokens, options.temperature, options.top_p)
     world = plan.mesh.size
-    per_node = len(node_share(plan, rdzv))
+    ranks = node_share(plan, rdzv)
     need = plan.mesh.dp * len(plan.token_sources(0))
     if len(options.prompts) < need:
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
@@ -86,9 +85,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if options.micro_batches > rows:
             raise RuntimeFault(f"--micro-batches {options.micro_batches}: above the {rows} rows a replica decodes "
                                f"({len(options.prompts)} prompts over dp={plan.mesh.dp})")
-    device_env = device_env_of(doc["target"], options.devices, per_node)
-    threads = capped(options.threads) if options.threads else default_threads(per_node)
-    options = dataclasses.replace(options, threads=threads, nnodes=rdzv.nnodes)
+    options, device_env = node_options(doc, options, ranks, rdzv)
     ifname = interface_of(rdzv)
     run_dir = Path(tempfile.mkdtemp(prefix="k3compile-run-"))  # 0700: only this user reads or writes it
     procs: dict[int, subprocess.Popen] = {}
@@ -100,8 +97,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         else:
             store = join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
         write_options(run_dir, folder.resolve(), options, rdzv)
-        first = rdzv.node_rank * per_node
-        procs.update(spawn(run_dir, range(first, first + per_node), world, threads, ifname, device_env))
+        procs.update(spawn(run_dir, ranks, world, options.threads, ifname, device_env))
         _watch_node(procs, run_dir, store, rdzv.node_rank)
         if rdzv.node_rank != 0:
             return None
@@ -124,13 +120,22 @@ def node_share(plan, rdzv: Rendezvous) -> range:
     return range(rdzv.node_rank * per_node, (rdzv.node_rank + 1) * per_node)
 
 
+def node_options(doc: dict, options: Options, ranks: range, rdzv: Rendezvous, **more) -> tuple[Options, list[dict]]:
+    """`options` as this node's workers get them (each rank's threads: as asked, capped at the cores, or the cores
+    over this node's ranks; the node count; `more`), and each local rank's device environment (device_env_of)."""
+    from k3compile.threads import capped
+
+    device_env = device_env_of(doc["target"], options.devices, len(ranks))
+    threads = capped(options.threads) if options.threads else default_threads(len(ranks))
+    return dataclasses.replace(options, threads=threads, nnodes=rdzv.nnodes, **more), device_env
+
+
 def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> None:
     """`k3compile serve OUT --nnodes N --node-rank R` on a node R > 0: this machine's share of the ranks, in serve
     mode (runtime/worker.serve_rank), in the world of node 0's server (backends/sharded.py, which hosts the store and
     is the world's last process). Returns when the server stops them; a rank that fails stops the others, its line
     goes into the store for the server (worker.report_failure) and raises here."""
     from k3compile.manifest import read_sharded
-    from k3compile.threads import capped
 
     if rendezvous.node_rank == 0:
         raise RendezvousError("node 0 of a served mesh is the server itself (k3compile serve with --node-rank 0)")
@@ -138,16 +143,14 @@ def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> 
     doc, _, plan = read_sharded(folder)
     check_wire(plan, options.wire, folder)
     ranks = node_share(plan, rendezvous)
-    device_env = device_env_of(doc["target"], options.devices, len(ranks))
-    threads = capped(options.threads) if options.threads else default_threads(len(ranks))
-    options = dataclasses.replace(options, threads=threads, serve=True, nnodes=rendezvous.nnodes)
+    options, device_env = node_options(doc, options, ranks, rendezvous, serve=True)
     ifname = interface_of(rendezvous)
     store = join(rendezvous, options.timeout)  # one line, within the timeout, when the server is not there
     run_dir = Path(tempfile.mkdtemp(prefix="k3compile-serve-"))  # 0700
     procs: dict[int, subprocess.Popen] = {}
     try:
         write_options(run_dir, folder.resolve(), options, rendezvous)
-        procs.update(spawn(run_dir, ranks, plan.mesh.size + 1, threads, ifname, device_env))
+        procs.update(spawn(run_dir, ranks, plan.mesh.size + 1, options.threads, ifname, device_env))
         _watch_node(procs, run_dir, store, rendezvous.node_rank)
     finally:
         stop_all(procs)

@@ -106,7 +106,8 @@ class Rank:
         # a server's world also holds its controller (backends/sharded.py): tensors go point to point in a group of
         # every process, the controller's commands over the default group (kept alive while the server is idle)
         self.work = dist.new_group(list(range(world)), timeout=timeout) if options.serve else None
-        self.groups = [None, *ep_groups.values(), *tp_groups.values(), *replicas.values(), self.work]
+        self.groups = [None, *ep_groups.values(), *tp_groups.values(), *replicas.values(),
+                       *([self.work] if self.work is not None else [])]  # None: the default group
         self._load(folder)
 
     def started(self, timeout: float) -> None:
