@@ -175,6 +175,23 @@ def load_probe(kind: str, folder: str, threads: int) -> dict:
     return {"load_s": load_s, "peak_rss_bytes": peak_rss()}
 
 
+def lean_probe(folder: str, threads: int) -> dict:
+    """load_probe of a CPU artifact that `generate` runs without torch (lean.eligible), run as generate runs it, in a
+    fresh process that imports neither torch nor TVM's compiler: load time, then a 3-token prompt and one decode
+    step, and the process's peak resident memory."""
+    from k3compile.lean import LeanArtifact
+    from k3compile.threads import use_threads
+
+    use_threads(threads, with_torch=False)
+    art = LeanArtifact(folder)
+    art.generate([[1, 2, 3]], 2)
+    from tvm import base
+
+    return {"load_s": art.load_s, "peak_rss_bytes": peak_rss(),
+            "runtime": "torch-free" if sys.modules.get("torch") is None else "torch imported",
+            "tvm_compiler_loaded": "tvm_compiler" in base._LOADED_LIBS}
+
+
 def _open(kind: str, folder: str, threads: int):
     if kind == "eager":
         from k3compile.backends.eager import EagerBackend
@@ -199,8 +216,16 @@ def _open(kind: str, folder: str, threads: int):
 
 
 def _probe_in_subprocess(kind: str, folder: str, threads: int) -> dict:
-    code = ("import json, sys; from k3compile.bench import load_probe; "
-            f"print(json.dumps(load_probe({kind!r}, {folder!r}, {threads})))")
+    """load_probe in a fresh process; a CPU artifact that `generate` runs without torch (lean.eligible) is probed
+    the same way, by lean.probe."""
+    from k3compile.lean import eligible
+
+    if kind in ("tvm", TVM_MXFP8) and eligible(folder):
+        code = ("import json; from k3compile.bench import lean_probe; "
+                f"print(json.dumps(lean_probe({folder!r}, {threads})))")
+    else:
+        code = ("import json, sys; from k3compile.bench import load_probe; "
+                f"print(json.dumps(load_probe({kind!r}, {folder!r}, {threads})))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:200]}

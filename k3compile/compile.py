@@ -58,7 +58,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
     import tvm
     from safetensors.numpy import save_file
 
-    from k3compile.targets import resolve
+    from k3compile.targets import host_record, resolve
     from k3compile.tune import DECODE_LIBRARY, RECORDS, WORKLOADS
 
     step = progress or (lambda msg: None)
@@ -100,6 +100,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "kind": KIND,
             "target": tgt.name,
             "tvm_target": tgt.describe(),
+            **({"host": cpu} if not tgt.gpu and (cpu := host_record()) else {}),  # lean.py's host check
             "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
             "interface": GraphInterface.of(cfg).as_record(),
             "params": names,

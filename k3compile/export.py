@@ -34,6 +34,7 @@ from k3compile.config import K3Config
 from k3compile.interface import (
     CONFIG_FILE,
     DATA_FILE,
+    DEFAULT_TOL,
     EXPORT_JSON,
     MODEL_FILE,
     ExportError,
@@ -55,9 +56,6 @@ TRACE_OPSET = 23  # torch.onnx's converter cannot reach 27 itself (no RMSNormali
 MIN_OPSET = kda_recurrence.MIN_OPSET
 EXTERNAL_DATA_BYTES = 256 << 20  # weights beside the model past this size (protobuf caps a file at 2 GiB)
 ACTIVATIONS = ACT_QUANT_FLAGS  # --activations spelling -> modes.ActQuant
-# The parity run's bound: fp32 on both sides, different kernels and summation orders (ORT's LinearAttention, the
-# dense MoE body); observed ~1e-6 on k3-tiny and ~3e-5 on k3-small.
-DEFAULT_TOL = 1e-4
 
 
 class GraphModule(torch.nn.Module):

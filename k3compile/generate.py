@@ -2,75 +2,39 @@
 
 A backend is anything with `step(input_ids [B, T], attention_mask [B, P+T], past) -> (logits [B, T, V], present)`
 and `init_past(batch)` (backends.base.Backend): the eager model, onnxruntime, and the compiled targets to come.
-Greedy by default; temperature / top-p sampling draws from a seeded generator, so runs repeat exactly.
+Greedy by default; temperature / top-p sampling draws from a seeded generator, so runs repeat exactly. The loop,
+the request's checks and left padding are decoding.py's (torch-free, shared with lean.py); this module gives them
+torch tensors.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from k3compile.errors import UserError
+from k3compile import decoding
+from k3compile.decoding import (
+    Generation,
+    GenerationError,
+    check_chunk,
+    check_prompts,
+    check_request,
+    default_prefill_chunk,
+)
 from k3compile.state import join_rows, on_host
 from k3compile.threads import glue_threads
 
-
-class GenerationError(UserError):
-    """Bad generation input (token ids, options); the message says which."""
-
-
-@dataclass
-class Generation:
-    tokens: list[list[int]]  # new tokens per prompt (stopping after EOS, which is kept)
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    logits: list[Tensor] = field(default_factory=list, repr=False)  # per step [B, V], when asked for
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_steps * len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+__all__ = ["Generation", "GenerationError", "RowPrefill", "check_chunk", "check_prompts", "check_request",
+           "decode_loop", "default_prefill_chunk", "generate", "left_pad", "pick_next", "prefill_chunks",
+           "prefill_rows", "step_last_of"]
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Prompts -> (input_ids [B, Tmax], attention_mask [B, Tmax]) with padding on the left."""
-    t = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), t), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, t - len(p):] = 1
-    return ids, mask
-
-
-def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise GenerationError("every prompt needs at least one token id")
-    for p in prompts:
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise GenerationError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
-
-
-def check_request(cfg, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0) -> None:
-    """Everything about a generation request that can be refused before any step (here and in k3compile run)."""
-    check_prompts(prompts, cfg.vocab_size)
-    if max_new_tokens < 0:
-        raise GenerationError("max-new-tokens must be >= 0")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise GenerationError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens "
-                              f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
-    if not 0.0 < top_p <= 1.0:
-        raise GenerationError("top-p must lie in (0, 1]")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+    """decoding.left_pad as torch tensors."""
+    ids, mask = decoding.left_pad(prompts, pad_id)
+    return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
 def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> Tensor:
@@ -92,46 +56,14 @@ def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Gener
 def decode_loop(step: Callable[[Tensor, Tensor, int], Tensor], prompts: list[list[int]], max_new_tokens: int,
                 pad: int, eos_token_id: int | None = None,
                 on_step: Callable[[int], None] | None = None) -> Generation:
-    """The one decode loop (generate, and every rank of `k3compile run`): left-padded prompts, then one token per
-    step until `max_new_tokens` or every row's EOS. `step(input_ids [B, T], attention_mask [B, P+T], index)` runs
-    the model on the whole batch and returns the next token of each row [B] (index 0 is the prefill); the loop keeps
-    the rows that finished at `pad`, the tokens, the mask and the timings. `on_step(index)` follows each step."""
-    ids, mask = left_pad(prompts, pad)
-    b = len(prompts)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    t0 = time.perf_counter()
-    prefill_s = 0.0
-    steps = 0
-    for index in range(max_new_tokens):
-        nxt = step(ids, mask, index)
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        for i in range(b):
-            if not done[i]:
-                out[i].append(int(nxt[i]))
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-        if index == 0:
-            prefill_s = time.perf_counter() - t0
-        else:
-            steps += 1
-        if on_step:
-            on_step(index)
-        if bool(done.all()):
-            break
-        ids = nxt.unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
-    total = time.perf_counter() - t0
-    return Generation(out, prefill_s, total - prefill_s, steps)
+    """decoding.decode_loop with `step` given torch tensors (its ids and mask shared, not copied)."""
+    return decoding.decode_loop(lambda ids, mask, index: step(torch.from_numpy(ids), torch.from_numpy(mask), index),
+                                prompts, max_new_tokens, pad, eos_token_id, on_step)
 
 
 def check_finite(last: Tensor, index: int) -> None:
-    """Logits [B, V] of a step: non-finite ones are one GenerationError naming the step and the rows."""
-    if not bool(torch.isfinite(last).all()):
-        where = "prefill" if index == 0 else f"decode step {index}"
-        raise GenerationError(f"{where}: the model produced non-finite logits (NaN or Inf) for prompt(s) "
-                              f"{sorted(set(torch.nonzero(~torch.isfinite(last))[:, 0].tolist()))}; "
-                              "check the weights")
+    """decoding.check_finite of torch logits."""
+    decoding.check_finite(last.detach().float().cpu().numpy(), index)
 
 
 def step_last_of(backend) -> Callable:
@@ -146,26 +78,6 @@ def step_last_of(backend) -> Callable:
         return logits[:, -1:], present
 
     return last
-
-
-def default_prefill_chunk(cfg, batch: int = 1, context: int | None = None, available: int | None = None) -> int:
-    """Tokens per prefill step when none is asked (docs/architecture.md, "Serving"): a chunk's attention
-    scores [batch, heads, chunk, context] (fp32, four such tensors live at once in the eager model) in an eighth of
-    the memory available now, as a power of two in [64, 4096]. `context`: the positions the prefill reaches."""
-    import psutil
-
-    context = context or cfg.max_position_embeddings
-    available = psutil.virtual_memory().available if available is None else available
-    per_token = batch * max(cfg.num_attention_heads, cfg.kda_num_heads) * context * 4 * 4
-    chunk = 4096
-    while chunk > 64 and chunk * per_token > available // 8:
-        chunk //= 2
-    return chunk
-
-
-def check_chunk(chunk: int | None) -> None:
-    if chunk is not None and chunk < 1:
-        raise GenerationError(f"the prefill chunk must be at least 1 token, got {chunk}")
 
 
 def prefill_chunks(step_last: Callable, ids: Tensor, mask: Tensor, past, chunk: int | None):

@@ -7,8 +7,9 @@ qk_rope_head_dim]` (MLA); outputs `logits [B, T, V]` and the matching `present.{
 (first, second) pair per layer; flat, it is the pairs in layer order (`flatten` / `unflatten`).
 
 This module also owns the artifact file names and the export record (export.json): writing it strictly, reading it
-with every field checked, and checking a folder's config.json and model.onnx against it. It imports the config and
-torch, never the model code or the exporter.
+with every field checked, and checking a folder's config.json and model.onnx against it. It imports the config,
+never the model code or the exporter; torch only inside the functions that make or check torch tensors, so a reader
+of artifacts runs without it (k3compile/lean.py; docs/architecture.md, "The torch-free decode").
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from k3compile.config import EXPERT_CHOICES, K3Config, read_config
 from k3compile.errors import UserError
 from k3compile.modes import ACT_QUANT_FLAGS, DENSE_QUANT
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -38,10 +42,14 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 TOKENIZER_FILES = (TOKENIZER_JSON, TIKTOKEN_MODEL, TOKENIZER_CONFIG, CHAT_TEMPLATE)
 
+# The export's parity run's bound (export, verify): fp32 on both sides, different kernels and summation orders (ORT's
+# LinearAttention, the dense MoE body); observed ~1e-6 on k3-tiny and ~3e-5 on k3-small.
+DEFAULT_TOL = 1e-4
+
 KDA_STATE_NAMES = ("conv_state", "recurrent_state")
 MLA_STATE_NAMES = ("latent", "k_rope")
 
-Past = list[tuple[Tensor, Tensor]]
+Past = list[tuple["Tensor", "Tensor"]]
 
 
 class ExportError(UserError):
@@ -68,8 +76,12 @@ def state_shapes(cfg: K3Config, batch: int, past: int = 0) -> list[tuple[tuple[i
     return [mla if cfg.is_mla(i) else kda for i in range(cfg.num_hidden_layers)]
 
 
-def init_past(cfg: K3Config, batch: int, dtype: torch.dtype = torch.float32, device=None) -> Past:
-    """Empty decode state: zero KDA states (the recurrent state always fp32) and zero-length MLA caches."""
+def init_past(cfg: K3Config, batch: int, dtype: torch.dtype | None = None, device=None) -> Past:
+    """Empty decode state: zero KDA states (the recurrent state always fp32) and zero-length MLA caches; `dtype`:
+    the others' (fp32 when None)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     return [(torch.zeros(a, dtype=dtype, device=device),
              torch.zeros(b, dtype=dtype if cfg.is_mla(i) else torch.float32, device=device))
             for i, (a, b) in enumerate(state_shapes(cfg, batch))]
@@ -100,6 +112,8 @@ def as_input_type(x: np.ndarray, name: str, dtype: str) -> np.ndarray:
 def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
     """Every backend's step checks its inputs first: compiled code indexes the embedding with the ids as they come
     (an id past the vocabulary reads other memory: garbage logits, or a segfault) and trusts the shapes."""
+    import torch
+
     ids, mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise StepInputError(f"input_ids must be integer ids [batch, seq], got {ids.dtype} {list(ids.shape)}")
@@ -126,6 +140,8 @@ def check_step(cfg: K3Config, input_ids, attention_mask, past: Past) -> None:
 def _zeros_and_ones(mask: torch.Tensor) -> bool:
     """Whether `mask` holds only 0 and 1: for integers its least and greatest value say so (one pass; a decode
     step's checks are on its critical path), for any other dtype every value is compared."""
+    import torch
+
     if mask.dtype == torch.bool or mask.numel() == 0:
         return True
     if not (mask.dtype.is_floating_point or mask.dtype.is_complex):

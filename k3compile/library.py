@@ -25,6 +25,16 @@ import numpy as np
 from k3compile.interface import ExportError
 
 SIGNATURE_FUNC = "k3compile_signature"
+# The entry points with MLA's caches kept in place (passes/inplace_caches.py makes them; backends/tvm.py and lean.py
+# call them): main_inplace, and main_inplace returning each row's last-position logits only.
+INPLACE_FUNC = "main_inplace"
+LAST_FUNC = "main_inplace_last"
+# A step whose attention is at least this many (token, position) pairs gives its intermediates back to the system
+# afterwards (release_pool): the VM's pooled allocator keeps every block it freed for a later request of the same
+# size, and the steps of a chunked prefill each take new sizes (their cache is longer), so the pool grew by every
+# chunk's intermediates: 14 GB over a 32k-token prompt in 2048-token chunks on k3-tiny, with the peak of one chunk
+# ~1 GB.
+RELEASE_AT = 1 << 22
 # what compile writes (numpy can view each through DLPack): safetensors dtype -> (TVM dtype, bytes)
 SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "F64": ("float64", 8), "U8": ("uint8", 1),
                       "I8": ("int8", 1), "I32": ("int32", 4), "U16": ("uint16", 2), "U32": ("uint32", 4),
@@ -120,10 +130,10 @@ def load(path: Path, names: list[str] | None = None, weights: Path | None = None
 def signature(module, path: Path) -> list:
     """What the library says it takes (with_signature), read through a VM on this CPU."""
     import tvm
-    from tvm import relax
+    from tvm.runtime.vm import VirtualMachine  # the runtime's: no compiler needed (lean.py)
 
     try:
-        vm = relax.VirtualMachine(module, tvm.cpu())
+        vm = VirtualMachine(module, tvm.cpu())
         doc = json.loads(vm[SIGNATURE_FUNC]().numpy().tobytes())
     except Exception:  # no such function (an older build), or not a k3compile library
         raise ExportError(f"{path}: carries no k3compile signature (built by an older k3compile, or not by "
@@ -241,3 +251,19 @@ def read_tensors(path: Path, names: list[str], empty=None):
                 yield t
     except OSError as e:
         raise ExportError(f"{path}: unreadable ({e.strerror or e})") from None
+
+
+def release_pool() -> None:
+    """Free the blocks TVM's pooled allocators hold for reuse (tensors in use are not touched)."""
+    import tvm
+
+    tvm.get_global_func("vm.builtin.memory_manager.clear")()
+
+
+def has_function(vm, name: str) -> bool:
+    """Whether the VM's library has function `name`."""
+    try:
+        vm[name]
+    except (AttributeError, KeyError, ValueError, RuntimeError):
+        return False
+    return True

@@ -48,7 +48,7 @@ def rank_io(cfg: K3Config, p: RankPlan, sliced: bool) -> tuple[list[str], list[s
     return [*first, "attention_mask", *past, *offset], [*last, *(n.replace("past.", "present.", 1) for n in past)]
 
 
-def _loose(folder: str | Path) -> dict:
+def loose_manifest(folder: str | Path) -> dict:
     """A folder's manifest read loosely (the readers below check it whole), or {}."""
     try:
         doc = json.loads((Path(folder) / MANIFEST).read_text())
@@ -59,13 +59,13 @@ def _loose(folder: str | Path) -> dict:
 
 def is_gpu_artifact(folder: str | Path) -> bool:
     """A single-device artifact whose manifest names a target other than llvm."""
-    doc = _loose(folder)
+    doc = loose_manifest(folder)
     return doc.get("kind") == KIND and doc.get("target") not in (None, "llvm")
 
 
 def is_sharded(folder: str | Path) -> bool:
     """A folder whose manifest says it is `export --mesh`'s OUT."""
-    return _loose(folder).get("kind") == SHARDED_KIND
+    return loose_manifest(folder).get("kind") == SHARDED_KIND
 
 
 def check_files(folder: Path, files: dict[str, str], names, again: str = "compile again") -> None:
@@ -91,6 +91,7 @@ def read_manifest(folder: str | Path) -> dict:
             and all(isinstance(k, str) and Path(k).name == k and isinstance(v, str) and _SHA256.fullmatch(v)
                     for k, v in files.items())
             and {LIBRARY, WEIGHTS, CONFIG_FILE} <= set(files)
+            and ("host" not in doc or isinstance(doc["host"], dict))
             and ("tuning" not in doc or isinstance(doc["tuning"], dict)
                  and isinstance(doc["tuning"].get("library"), str) and doc["tuning"]["library"] in files)):
         raise ExportError(f"{folder / MANIFEST}: not a k3compile {KIND} manifest (damaged or edited; compile again)")

@@ -8,17 +8,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
 from k3compile.config import EXPERT_CHOICES
 from k3compile.interface import EXPORT_JSON, MODEL_FILE, sha256_file
 from k3compile.manifest import MANIFEST
-from k3compile.model.k3 import K3ForCausalLM, init_weights
-from k3compile.model.state_dict_adapter import convert_experts
 from k3compile.presets import PRESETS, load_config
-from k3compile.sizing import check_fits
+
+if TYPE_CHECKING:
+    from k3compile.model.k3 import K3ForCausalLM
+
+# torch, the model and the checkpoint reader are imported by the functions that build a model: kind_of and
+# tokenizer_for run without torch (k3compile/lean.py).
 
 PRESET, CONFIG, CHECKPOINT, EXPORT, ARTIFACT = "preset", "config", "checkpoint", "export", "artifact"
 
@@ -83,6 +84,8 @@ def content_digest(path: Path) -> str:
 def check_unchanged(rec: dict, what: str) -> None:
     """A recorded source (an export's) is still what it was: its content digest, where one was recorded, matches
     the files there now. Raises CheckpointError naming the source otherwise."""
+    from k3compile.checkpoint import CheckpointError
+
     digest = rec.get("digest")
     src = rec.get("source")
     if digest is None or not isinstance(src, str) or kind_of(src) == PRESET:
@@ -102,6 +105,13 @@ def load_model(
     `experts` means the same for both: "auto" keeps the stored format, "float" dequantizes MXFP4 experts and
     "mxfp4" quantizes float ones; for a preset, the stored weights are the seeded draw in the preset's own format,
     so `--experts float` gives the same model as `--experts auto`, dequantized."""
+    import torch
+
+    from k3compile.checkpoint import CheckpointError, assemble, load_checkpoint
+    from k3compile.model.k3 import K3ForCausalLM, init_weights
+    from k3compile.model.state_dict_adapter import convert_experts
+    from k3compile.sizing import check_fits
+
     if experts not in EXPERT_CHOICES:
         raise CheckpointError(f"experts: {experts!r} is not one of {', '.join(EXPERT_CHOICES)}")
     kind = kind_of(source)

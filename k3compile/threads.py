@@ -61,12 +61,14 @@ def capped(n: int) -> int:
     return max(1, min(int(n), cores))
 
 
-def use_threads(n: int) -> int:
-    """Set torch's, TVM's and onnxruntime's thread count to n (capped at the cores); returns the count set."""
-    import torch
-
+def use_threads(n: int, with_torch: bool = True) -> int:
+    """Set torch's, TVM's and onnxruntime's thread count to n (capped at the cores); returns the count set.
+    `with_torch=False`: torch's only where torch is imported already (lean.py's process runs without it)."""
     n = capped(n)
-    torch.set_num_threads(n)
+    if with_torch or sys.modules.get("torch") is not None:
+        import torch
+
+        torch.set_num_threads(n)
     os.environ["TVM_NUM_THREADS"] = str(n)  # read when TVM's pool first starts
     if "tvm" in sys.modules:
         import tvm

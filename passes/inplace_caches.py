@@ -24,8 +24,10 @@ without `main_inplace`, and the runtime runs `main` (backends/tvm.py).
 
 from __future__ import annotations
 
-INPLACE_FUNC = "main_inplace"
-LAST_FUNC = "main_inplace_last"  # main_inplace returning each row's last-position logits only
+from k3compile.library import INPLACE_FUNC, LAST_FUNC  # the runtimes' names for them, owned by the reader
+
+__all__ = ["INPLACE_FUNC", "LAST_FUNC", "PAST_LENGTH", "inplace_caches"]
+
 PAST_LENGTH = "past_length"
 
 

@@ -39,6 +39,34 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
     return tuple(fields)
 
 
+def host_record() -> dict | None:
+    """This CPU as the torch-free decode checks it without TVM's compiler (k3compile/lean.py), recorded in an llvm
+    artifact's manifest as `host`: the vendor, family and model /proc/cpuinfo gives (what LLVM names the CPU from,
+    with its features), the sha256 of the sorted feature flags (what `host_cpu` turns AVX-512 off by) and the core
+    count (the target's num-cores). Equal records give `host_cpu`'s fields equal; None without /proc/cpuinfo."""
+    import hashlib
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                key = key.strip()
+                if not sep:
+                    if fields:
+                        break  # the first processor's block is read
+                    continue
+                if key in ("vendor_id", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
+    except OSError:
+        return None
+    if "flags" not in fields:
+        return None
+    return {"cpu": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
+            "flags_sha256": hashlib.sha256(" ".join(sorted(fields["flags"].split())).encode()).hexdigest(),
+            "cores": os.cpu_count() or 1}
+
+
 @dataclass(frozen=True)
 class Target:
     name: str                       # the `--target` value

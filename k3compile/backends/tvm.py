@@ -41,14 +41,9 @@ from k3compile.interface import (
     open_export,
     unflatten,
 )
-from k3compile.passes.inplace_caches import INPLACE_FUNC, LAST_FUNC
+from k3compile.library import INPLACE_FUNC, LAST_FUNC, RELEASE_AT, has_function, release_pool
 
 MIN_CAPACITY = 256  # rows a new cache buffer holds at least; it doubles when a step needs more
-# A step whose attention is at least this many (token, position) pairs gives its intermediates back to the system
-# afterwards: the VM's pooled allocator keeps every block it freed for a later request of the same size, and the
-# steps of a chunked prefill each take new sizes (their cache is longer), so the pool grew by every chunk's
-# intermediates: 14 GB over a 32k-token prompt in 2048-token chunks on k3-tiny, with the peak of one chunk ~1 GB.
-RELEASE_AT = 1 << 22
 CACHE_SETS = 2  # decode batches whose buffers are kept: a server's running batch and the prompt it prefills beside
 
 
@@ -128,7 +123,7 @@ class TvmBackend:
 
     def _has(self, name: str) -> bool:
         """Whether the library (and the decode library, when there is one) has function `name`."""
-        return all(vm is None or _has_function(vm, name) for vm in (self._vm, self._decode_vm))
+        return all(vm is None or has_function(vm, name) for vm in (self._vm, self._decode_vm))
 
     def _compile_export(self, folder: Path, target) -> None:
         from k3compile.compile import build
@@ -230,7 +225,7 @@ class TvmBackend:
             feeds += caches.buffers[i] if i in caches.buffers else [self._state(t, returned) for t in pair]
         outs = vm[function](*feeds, tvm.runtime.ShapeTuple([length]), *self._params)
         if tokens * mask.shape[1] >= RELEASE_AT:
-            _release_pool()
+            release_pool()
         mla = caches.present(mask.shape[1])  # the buffers main_inplace wrote and returned, as views
         present, mine = [], {}
         for i in range(len(past)):
@@ -252,17 +247,3 @@ class TvmBackend:
             return hit[1]
         return self._input(numpy_state(t))
 
-
-def _release_pool() -> None:
-    """Free the blocks TVM's pooled allocators hold for reuse (tensors in use are not touched)."""
-    import tvm
-
-    tvm.get_global_func("vm.builtin.memory_manager.clear")()
-
-
-def _has_function(vm, name: str) -> bool:
-    try:
-        vm[name]
-    except (AttributeError, KeyError, ValueError, RuntimeError):
-        return False
-    return True

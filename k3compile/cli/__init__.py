@@ -1,9 +1,10 @@
 """The `k3compile` command line: a thin click layer, one module per verb (presets, plan, generate, export, compile,
 verify, run, serve, bench).
 
-Each command parses, calls one library function, prints. Errors the user can fix (errors.UserError) print one line
-and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files removed) with one line and exit 143; progress
-goes to stderr on a terminal; `--json` prints strict JSON on stdout.
+Each command parses, calls one library function, prints. A command's module is imported when that command runs
+(`Group`'s table of verbs), so `generate` on a CPU artifact starts without torch (k3compile/lean.py). Errors the
+user can fix (errors.UserError) print one line and exit 1; SIGTERM ends a command like Ctrl-C (its temporary files
+removed) with one line and exit 143; progress goes to stderr on a terminal; `--json` prints strict JSON on stdout.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import click  # noqa: E402
 
 from k3compile import __version__  # noqa: E402
-from k3compile.cli import bench, compile, export, generate, plan, presets, run, serve, verify
 from k3compile.cli.common import Group  # noqa: E402
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, verbs=("presets", "plan", "generate", "export", "compile", "verify", "run", "serve", "bench"),
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="k3compile")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
 def main(verbose: int) -> None:
@@ -34,6 +35,3 @@ def main(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
-
-for _verb in (presets, plan, generate, export, compile, verify, run, serve, bench):
-    main.add_command(_verb.command)

@@ -14,7 +14,7 @@ import click
 
 from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
-from k3compile.export import DEFAULT_TOL
+from k3compile.interface import DEFAULT_TOL
 from k3compile.runtime.worker import START_S
 from k3compile.sharding.plan import DISPATCH
 
@@ -71,7 +71,23 @@ class FiniteFloat(click.FloatRange):
 
 
 class Group(click.Group):
-    """Every command runs with SIGTERM raising Terminated, so that cleanup runs as on Ctrl-C."""
+    """Every command runs with SIGTERM raising Terminated, so that cleanup runs as on Ctrl-C. `verbs`: the commands,
+    each the `command` of module k3compile.cli.<verb>, imported when it is asked for (a command's imports cost only
+    its own runs: `generate` on a CPU artifact never imports torch, k3compile/lean.py)."""
+
+    def __init__(self, *args, verbs: tuple[str, ...] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verbs = verbs
+
+    def list_commands(self, ctx) -> list[str]:
+        return [*self.verbs, *(n for n in super().list_commands(ctx) if n not in self.verbs)]
+
+    def get_command(self, ctx, name: str):
+        if name in self.verbs and name not in self.commands:
+            import importlib
+
+            self.add_command(importlib.import_module(f"k3compile.cli.{name}").command, name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         try:

@@ -66,7 +66,6 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
             seed, weight_seed, experts, prefill_chunk, cache_block, threads, wire, as_json, quiet):
     """Generate tokens from SOURCE (default: the k3-tiny preset with seeded random weights): from token ids, or from
     text (--prompt, --chat, --messages) through SOURCE's tokenizer."""
-    from k3compile.generate import generate as run
     from k3compile.manifest import is_sharded
     from k3compile.source import ARTIFACT, EXPORT, kind_of
     from k3compile.threads import default_threads, use_threads
@@ -91,30 +90,29 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
                 raise click.UsageError(f"--{name.replace('_', '-')} does not apply to an export folder or artifact: "
                                        "it runs the weights it was built with")
     with user_errors():
+        from k3compile.lean import LeanArtifact, eligible
         from k3compile.presets import load_config
 
-        use_threads(threads or default_threads(load_config(source)))  # before TVM's pool or a compile starts
-        with status(f"loading {source}", quiet) as step:
-            engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
-                                  progress=step, wire=wire)
-        try:
-            cache = None
-            if cache_block is not None:
-                from k3compile.prefix_cache import PrefixCache
-
-                cache = PrefixCache(engine.config, cache_block)
+        lean = eligible(source, backend, temperature, cache_block, device, wire)  # no torch in this process
+        # before TVM's pool or a compile starts
+        use_threads(threads or default_threads(load_config(source)), with_torch=not lean)
+    if lean:
+        with user_errors():
+            with status(f"loading {source}", quiet):
+                engine = LeanArtifact(source)
             bar, cb = progress("generating", quiet)
             with bar or nullcontext():
-                result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
-                             seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb,
-                             prefill_chunk=prefill_chunk, cache=cache)
-        finally:
-            if hasattr(engine, "close"):  # a sharded OUT's ranks (backends/sharded.py)
-                engine.close()
+                result = engine.generate(prompts, max_new_tokens, eos_token_id=engine.config.eos_token_id,
+                                         prefill_chunk=prefill_chunk, progress=cb)
+        cache = None
+    else:
+        engine, result, cache = _generate(source, prompts, max_new_tokens, backend, device, temperature, top_p, seed,
+                                          weight_seed, experts, prefill_chunk, cache_block, threads, wire, quiet)
     doc = {
         "source": source, "backend": engine.name, "prompts": prompts, "tokens": result.tokens,
         **({"texts": [tokenizer.decode(t) for t in result.tokens]} if tokenizer is not None else {}),
         **({"device": engine.describe()} if hasattr(engine, "describe") else {}),
+        **({"runtime": "torch-free"} if lean else {}),  # k3compile/lean.py
         "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 3) if result.decode_steps else None,
         **({"prefix_cache": {"hits": cache.stats.hits, "hit_tokens": cache.stats.hit_tokens}} if cache else {}),
@@ -132,6 +130,33 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
         rate = f", decode {doc['decode_tokens_per_s']} tok/s" if result.decode_steps else ""
         where = f" on {doc['device']}" if "device" in doc else ""
         click.echo(f"[{engine.name}{where}] prefill {result.prefill_s * 1e3:.1f} ms{rate}", err=True)
+
+
+def _generate(source, prompts, max_new_tokens, backend, device, temperature, top_p, seed, weight_seed, experts,
+              prefill_chunk, cache_block, threads, wire, quiet):
+    """The torch path: SOURCE on the backend open_backend picks, through generate.generate. -> (engine, result,
+    prefix cache or None)."""
+    from k3compile.generate import generate as run
+
+    with user_errors():
+        with status(f"loading {source}", quiet) as step:
+            engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
+                                  progress=step, wire=wire)
+        try:
+            cache = None
+            if cache_block is not None:
+                from k3compile.prefix_cache import PrefixCache
+
+                cache = PrefixCache(engine.config, cache_block)
+            bar, cb = progress("generating", quiet)
+            with bar or nullcontext():
+                result = run(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, eos_token_id=engine.config.eos_token_id, progress=cb,
+                             prefill_chunk=prefill_chunk, cache=cache)
+        finally:
+            if hasattr(engine, "close"):  # a sharded OUT's ranks (backends/sharded.py)
+                engine.close()
+    return engine, result, cache
 
 
 def _encode_prompts(source, texts, chat: bool, messages_file):

@@ -343,7 +343,7 @@ def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface", "tuning"]
+MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface", "tuning", "host"]
 JSON = st.none() | st.booleans() | st.integers(-2, 2**65) | st.text(max_size=6) \
     | st.lists(st.text(max_size=4), max_size=2) \
     | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2) \
@@ -365,10 +365,76 @@ def test_any_manifest_edit_loads_or_is_one_error(tmp_path_factory, tvm_artifact,
     else:
         doc[key] = value
     (folder / "manifest.json").write_text(json.dumps(doc))
-    try:
-        TvmBackend(folder)
-    except ExportError:
-        pass
+    from k3compile.lean import LeanArtifact
+
+    for load in (TvmBackend, LeanArtifact):
+        try:
+            load(folder)
+        except ExportError:
+            pass
+
+
+# ---- the torch-free decode (k3compile/lean.py) -----------------------------------------------------------------------
+
+# A process where importing torch fails (a None entry in sys.modules): what runs there needs no torch.
+NO_TORCH = ("import sys\nsys.modules['torch'] = None\nfrom k3compile.cli import main\n"
+            "main(sys.argv[1:], prog_name='k3compile')\n")
+
+
+def _generate_without_torch(*args) -> dict:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, "generate", *map(str, args), "--json", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_generate_on_an_artifact_runs_without_torch_and_equals_eager(tiny_export, tvm_artifact):
+    """`generate ARTIFACT`, greedy, in a process that cannot import torch: eager's tokens for a left-padded batch
+    (main_inplace_last) and for one prompt in prefill chunks of 2 followed by decode.so's batch-1 steps. Exact
+    tokens: the same library as TvmBackend, whose logits equal eager's within ATOL (test_artifact_equals_eager)."""
+    model = tiny_export[0]
+    ids = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    doc = _generate_without_torch(tvm_artifact[1], *ids, "--max-new-tokens", 16)
+    assert doc["runtime"] == "torch-free" and doc["backend"] == "tvm-llvm"
+    assert doc["tokens"] == generate(EagerBackend(model), PROMPTS, 16).tokens
+    one = _generate_without_torch(tvm_artifact[1], "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                                  "--prefill-chunk", 2, "--max-new-tokens", 12)
+    assert one["tokens"] == generate(EagerBackend(model), PROMPTS[:1], 12).tokens
+
+
+def test_the_torch_free_load_probe_loads_neither_torch_nor_the_compiler(tvm_artifact):
+    """bench's memory probe of a CPU artifact runs as `generate` does: no torch, TVM's runtime library only."""
+    from k3compile.bench import _probe_in_subprocess
+
+    doc = _probe_in_subprocess("tvm", str(tvm_artifact[1]), 1)
+    assert doc.get("runtime") == "torch-free" and doc.get("tvm_compiler_loaded") is False, doc
+
+
+def test_an_artifact_of_another_host_is_left_to_tvm_backend(tmp_path, tvm_artifact):
+    """An artifact whose recorded host differs from this machine's (or records none: built before lean.py) is not
+    run without the compiler: `eligible` says no, so generate runs TvmBackend, whose check names the target; lean's
+    own loader refuses it in one line."""
+    import shutil
+
+    from k3compile.lean import LeanArtifact, eligible
+
+    assert eligible(tvm_artifact[1]) and not eligible(tvm_artifact[1], temperature=0.5)
+    assert not eligible(tvm_artifact[1], cache_block=4) and not eligible(tvm_artifact[1], backend="onnx")
+    for host in ({**tvm_artifact[0]["host"], "cores": tvm_artifact[0]["host"]["cores"] + 1}, None):
+        folder = tmp_path / f"art-{host is None}"
+        shutil.copytree(tvm_artifact[1], folder)
+        doc = json.loads((folder / "manifest.json").read_text())
+        if host is None:
+            del doc["host"]
+        else:
+            doc["host"] = host
+        (folder / "manifest.json").write_text(json.dumps(doc))
+        assert not eligible(folder)
+        with pytest.raises(ExportError, match="not for this machine"):
+            LeanArtifact(folder)
 
 
 # ---- verify, k3compile.testing, export --target ---------------------------------------------------------------------

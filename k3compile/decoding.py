@@ -1,0 +1,133 @@
+"""What a decode needs besides the model, without torch (docs/architecture.md, "The torch-free decode"): the
+request's checks, left padding, the prefill chunk's default size and the one decode loop. generate.py wraps it for
+torch backends, runtime/worker.py for a rank, lean.py runs it on a CPU artifact in a process that never imports
+torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3compile.errors import UserError
+
+
+class GenerationError(UserError):
+    """Bad generation input (token ids, options); the message says which."""
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per prompt (stopping after EOS, which is kept)
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    logits: list = field(default_factory=list, repr=False)  # per step [B, V], when asked for
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps * len(self.tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt needs at least one token id")
+    for p in prompts:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+
+
+def check_request(cfg, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0) -> None:
+    """Everything about a generation request that can be refused before any step (here and in k3compile run)."""
+    check_prompts(prompts, cfg.vocab_size)
+    if max_new_tokens < 0:
+        raise GenerationError("max-new-tokens must be >= 0")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise GenerationError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens "
+                              f"exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
+    if not 0.0 < top_p <= 1.0:
+        raise GenerationError("top-p must lie in (0, 1]")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise GenerationError(f"temperature must be a finite number >= 0, got {temperature}")
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> (input_ids [B, Tmax], attention_mask [B, Tmax]), int64, with padding on the left."""
+    t = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), t), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), t), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, t - len(p):] = p
+        mask[i, t - len(p):] = 1
+    return ids, mask
+
+
+def decode_loop(step: Callable, prompts: list[list[int]], max_new_tokens: int, pad: int,
+                eos_token_id: int | None = None, on_step: Callable[[int], None] | None = None) -> Generation:
+    """The one decode loop (generate, every rank of `k3compile run`, lean.py): left-padded prompts, then one token
+    per step until `max_new_tokens` or every row's EOS. `step(input_ids [B, T], attention_mask [B, P+T], index)`
+    (int64 numpy arrays) runs the model on the whole batch and returns the next token of each row [B] (anything
+    numpy reads: an array, a CPU tensor; index 0 is the prefill); the loop keeps the rows that finished at `pad`,
+    the tokens, the mask and the timings. `on_step(index)` follows each step."""
+    ids, mask = left_pad(prompts, pad)
+    b = len(prompts)
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = np.zeros(b, dtype=bool)
+    t0 = time.perf_counter()
+    prefill_s = 0.0
+    steps = 0
+    for index in range(max_new_tokens):
+        nxt = np.where(done, pad, np.asarray(step(ids, mask, index), dtype=np.int64).reshape(b))
+        for i in range(b):
+            if not done[i]:
+                out[i].append(int(nxt[i]))
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        if index == 0:
+            prefill_s = time.perf_counter() - t0
+        else:
+            steps += 1
+        if on_step:
+            on_step(index)
+        if done.all():
+            break
+        ids = np.ascontiguousarray(nxt[:, None])
+        mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], axis=1)
+    total = time.perf_counter() - t0
+    return Generation(out, prefill_s, total - prefill_s, steps)
+
+
+def check_finite(last: np.ndarray, index: int) -> None:
+    """Logits [B, V] of a step: non-finite ones are one GenerationError naming the step and the rows."""
+    finite = np.isfinite(last)
+    if not finite.all():
+        where = "prefill" if index == 0 else f"decode step {index}"
+        raise GenerationError(f"{where}: the model produced non-finite logits (NaN or Inf) for prompt(s) "
+                              f"{sorted(set(np.nonzero(~finite)[0].tolist()))}; check the weights")
+
+
+def default_prefill_chunk(cfg, batch: int = 1, context: int | None = None, available: int | None = None) -> int:
+    """Tokens per prefill step when none is asked (docs/architecture.md, "Serving"): a chunk's attention
+    scores [batch, heads, chunk, context] (fp32, four such tensors live at once in the eager model) in an eighth of
+    the memory available now, as a power of two in [64, 4096]. `context`: the positions the prefill reaches."""
+    import psutil
+
+    context = context or cfg.max_position_embeddings
+    available = psutil.virtual_memory().available if available is None else available
+    per_token = batch * max(cfg.num_attention_heads, cfg.kda_num_heads) * context * 4 * 4
+    chunk = 4096
+    while chunk > 64 and chunk * per_token > available // 8:
+        chunk //= 2
+    return chunk
+
+
+def check_chunk(chunk: int | None) -> None:
+    if chunk is not None and chunk < 1:
+        raise GenerationError(f"the prefill chunk must be at least 1 token, got {chunk}")

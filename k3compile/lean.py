@@ -1,0 +1,189 @@
+"""Greedy decoding of a CPU artifact in a process that imports neither torch nor TVM's compiler (docs/architecture.md,
+"The torch-free decode").
+
+Why: a decode's peak memory should be its weights plus little. A Python process that imports torch holds ~220 MB
+before any weight, and `import tvm` loads TVM's compiler library (~300 MB with torch: tvm_ffi imports torch whenever
+it is installed). TVM's runtime library alone, without torch, is ~90 MB, and it runs a compiled artifact: the
+library, its VM and the weights are all the runtime's.
+
+`k3compile generate` takes this path (cli/generate.py asks `eligible`) for an llvm artifact whose manifest records
+this machine as its `host` (targets.host_record: the check TvmBackend makes with LLVM's CPU name, made without the
+compiler), greedy, with no prefix cache. Everything else (sampling, `--cache-block`, an older artifact, serve,
+verify, bench's throughput rows) runs TvmBackend (backends/tvm.py). Both call the same functions of the same library
+on the same weights, main_inplace_last and decode.so's for a batch-1 step, and the same decode loop
+(decoding.decode_loop), so they give the same tokens; a test compares this path with eager in a process where
+importing torch fails.
+
+The state stays in TVM tensors for the whole run: the KDA states a step returns are the next step's inputs as they
+are, and each MLA cache is one buffer sized to the longest prompt plus max_new_tokens, which main_inplace_last writes
+in place (no growth, no copy: TvmBackend's buffers double because it cannot know the run's length).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from k3compile.decoding import (
+    Generation,
+    check_chunk,
+    check_finite,
+    check_request,
+    decode_loop,
+    default_prefill_chunk,
+)
+from k3compile.interface import ExportError, GraphInterface, state_shapes
+from k3compile.library import LAST_FUNC, RELEASE_AT, has_function, release_pool
+
+NAME = "tvm-llvm"  # the backend name generate reports: the same library TvmBackend runs
+
+
+def eligible(source, backend: str = "auto", temperature: float = 0.0, cache_block: int | None = None,
+             device: int | None = None, wire: str = "fp32") -> bool:
+    """Whether `generate` with these options runs SOURCE here: an llvm artifact compiled on a machine whose
+    host_record equals this one's, greedy, no prefix cache, no device, no wire format."""
+    from k3compile.manifest import KIND, MANIFEST, loose_manifest
+    from k3compile.targets import host_record
+
+    if backend not in ("auto", "tvm") or temperature > 0 or cache_block is not None or device is not None \
+            or wire != "fp32" or not (Path(source) / MANIFEST).is_file():
+        return False
+    doc = loose_manifest(source)
+    here = host_record()
+    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here
+
+
+def import_tvm():
+    """TVM, as its runtime library only (TVM_USE_RUNTIME_LIB) and without torch, when neither tvm nor torch is
+    imported yet (a fresh `generate` process); else the tvm already there. tvm_ffi imports torch for its DLPack
+    exchange whenever torch is installed; nothing here exchanges tensors with torch, so its import is made to fail
+    (a None entry in sys.modules) for that moment only."""
+    if "tvm" not in sys.modules and sys.modules.get("torch") is None:  # a None entry: torch blocked already
+        before = os.environ.get("TVM_USE_RUNTIME_LIB")
+        os.environ["TVM_USE_RUNTIME_LIB"] = "1"  # read once, as tvm loads; not left to the processes it starts
+        blocked = "torch" in sys.modules
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            import tvm
+            from tvm import base, libinfo
+
+            # The runtime's extras, which a compiled library calls (tvm.contrib.sort.topk: the MoE's routing); the
+            # full import loads them as the compiler library's dependency.
+            if base._RUNTIME_ONLY and "tvm_runtime_extra" not in base._LOADED_LIBS:
+                base._LOADED_LIBS["tvm_runtime_extra"] = base.load_lib_ctypes(
+                    "tvm", "tvm_runtime_extra", "RTLD_GLOBAL", extra_lib_paths=libinfo.package_lib_paths())
+        finally:
+            if not blocked:
+                del sys.modules["torch"]
+            if before is None:
+                os.environ.pop("TVM_USE_RUNTIME_LIB", None)
+            else:
+                os.environ["TVM_USE_RUNTIME_LIB"] = before
+    import tvm
+
+    return tvm
+
+
+class LeanArtifact:
+    """An llvm artifact loaded by TVM's runtime alone: its manifest, every file's sha256 and the library's signature
+    checked as TvmBackend checks them (manifest.read_manifest, library.load), the host by `host_record`."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from k3compile import library
+        from k3compile.config import read_config
+        from k3compile.manifest import LIBRARY, WEIGHTS, read_manifest
+        from k3compile.targets import host_record
+
+        tvm = import_tvm()
+        from tvm.runtime.vm import VirtualMachine
+
+        folder = Path(folder)
+        t0 = time.perf_counter()
+        self.manifest = read_manifest(folder)
+        self.config = read_config(folder / "config.json")
+        if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
+            raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
+        here = host_record()
+        if self.manifest["target"] != "llvm" or here is None or self.manifest.get("host") != here:
+            raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine; "
+                              "compile it again here")
+        self.name = NAME
+        self.device = tvm.cpu()
+        names = self.manifest["params"]
+        self._params = library.read_weights(folder / WEIGHTS, names, self.device)
+        self._vm = VirtualMachine(library.load(folder / LIBRARY, names, folder / WEIGHTS), self.device)
+        tuning = self.manifest.get("tuning")
+        self._decode_vm = None
+        if tuning:  # decode.so: batch-1 decode steps, static shapes (k3compile/tune.py), on the same weights
+            self._decode_vm = VirtualMachine(library.load(folder / tuning["library"], names, folder / WEIGHTS),
+                                             self.device)
+            if not has_function(self._decode_vm, LAST_FUNC):
+                self._decode_vm = None
+        if not has_function(self._vm, LAST_FUNC):
+            raise ExportError(f"{folder / LIBRARY}: has no {LAST_FUNC} (built by an older k3compile); compile again")
+        self.load_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None,
+                 prefill_chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Generation:
+        """Greedy tokens for a left-padded batch of prompts, as generate.generate gives them at temperature 0."""
+        cfg = self.config
+        check_request(cfg, prompts, max_new_tokens)
+        check_chunk(prefill_chunk)
+        run = _Run(self, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+
+        def step(ids: np.ndarray, mask: np.ndarray, index: int) -> np.ndarray:
+            if index == 0:
+                t = ids.shape[1]
+                chunk = prefill_chunk or default_prefill_chunk(cfg, len(prompts), t)
+                for start in range(0, t, chunk):
+                    logits = run.step(ids[:, start:start + chunk], mask[:, :min(t, start + chunk)])
+            else:
+                logits = run.step(ids, mask)
+            last = logits[:, -1]
+            check_finite(last, index)
+            return last.argmax(-1)
+
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        return decode_loop(step, prompts, max_new_tokens, pad, eos_token_id,
+                           progress and (lambda index: progress(index + 1, max_new_tokens)))
+
+
+class _Run:
+    """One generation's decode state in TVM tensors: per layer the KDA pair (the last step's outputs) or the MLA
+    buffers [B, capacity, width] with their first `length` rows filled."""
+
+    def __init__(self, art: LeanArtifact, batch: int, capacity: int) -> None:
+        import tvm
+
+        cfg = art.config
+        self.art, self.batch, self.length = art, batch, 0
+        self.state = []
+        for i, shapes in enumerate(state_shapes(cfg, batch, capacity)):
+            if cfg.is_mla(i):
+                self.state.append([tvm.runtime.empty(s, "float32", art.device) for s in shapes])
+            else:
+                self.state.append([tvm.runtime.tensor(np.zeros(s, np.float32), art.device) for s in shapes])
+
+    def step(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """One call of main_inplace_last: ids [B, T], mask [B, length + T] -> the last positions' logits [B, 1, V]
+        (a numpy view of the VM's output)."""
+        import tvm
+
+        art, cfg = self.art, self.art.config
+        vm = art._decode_vm if art._decode_vm is not None and ids.shape == (1, 1) else art._vm
+        feeds = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), art.device) for x in (ids, mask)]
+        feeds += [t for pair in self.state for t in pair]
+        outs = vm[LAST_FUNC](*feeds, tvm.runtime.ShapeTuple([self.length]), *art._params)
+        if ids.shape[1] * mask.shape[1] >= RELEASE_AT:
+            release_pool()
+        for i, pair in enumerate(self.state):
+            if not cfg.is_mla(i):  # the MLA buffers were written in place and come back as they went
+                pair[:] = [outs[1 + 2 * i], outs[2 + 2 * i]]
+        self.length = mask.shape[1]
+        return np.from_dlpack(outs[0])
+
