@@ -40,8 +40,8 @@ from k3compile.cli.common import (
               help="GPU ranks: the device index of each of this node's ranks, in rank order (one index: all of them) "
                    "[default: the driver's variable (K3COMPILE_OPENCL_DEVICE, K3COMPILE_WEBGPU_ADAPTER), else 0].")
 @click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=IntRange(1, 4096),
-              help="Run each step's rows as this many micro-batches so that pipeline stages overlap (pp > 1, llvm "
-                   "ranks; at most the rows a replica decodes).")
+              help="Run each step's rows as this many micro-batches so that pipeline stages overlap (pp > 1, CPU "
+                   "or GPU ranks; at most the rows a replica decodes).")
 @WIRE_OPTION
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")

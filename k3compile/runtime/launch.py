@@ -78,10 +78,9 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
     check_wire(plan, options.wire, folder)
     if options.micro_batches > 1:
         rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica
-        if plan.mesh.pp == 1 or doc.get("target") not in (None, "llvm"):
-            raise RuntimeFault(f"--micro-batches {options.micro_batches}: micro-batches pipeline the stages of an "
-                               f"llvm artifact with pp > 1; mesh {plan.mesh} on {doc.get('target')} has nothing "
-                               "to overlap or no such ranks")
+        if plan.mesh.pp == 1:
+            raise RuntimeFault(f"--micro-batches {options.micro_batches}: micro-batches pipeline the stages of a "
+                               f"mesh with pp > 1; mesh {plan.mesh} has no stages to overlap")
         if options.micro_batches > rows:
             raise RuntimeFault(f"--micro-batches {options.micro_batches}: above the {rows} rows a replica decodes "
                                f"({len(options.prompts)} prompts over dp={plan.mesh.dp})")

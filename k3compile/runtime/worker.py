@@ -316,21 +316,25 @@ class Rank:
 
         With `micro_batches` M > 1 the rows run as M contiguous micro-batches (even_slices; every rank of the
         replica splits its rows alike), each its own recv / run / send, so stage s runs micro-batch m while stage
-        s + 1 runs m - 1 (docs/architecture.md, "Micro-batches"); the presents are joined again by rows, and the
-        last stage picks every row's token once all have run."""
+        s + 1 runs m - 1 (docs/architecture.md, "Micro-batches"), and the last stage picks every row's token once
+        all have run. Each micro-batch keeps its own state from step to step (MicroStates: the split is the same
+        every step), never sliced or joined again: a GPU rank's state is device buffers, and on the CPU that saves
+        copying every row's caches twice a step. The first step splits the initial (host) state."""
         import torch
 
         from k3compile.sharding.plan import even_slices
 
         parts = [(a, b) for a, b in even_slices(ids.shape[0], micro_batches) if b > a]
+        whole = len(parts) == 1
+        if not whole and not isinstance(past, MicroStates):
+            past = MicroStates([t[a:b] for t in past] for a, b in parts)
         logits, presents = [], []
-        for a, b in parts:  # one part: the tensors as they are (a GPU rank's past is device tensors, not sliceable)
-            whole = len(parts) == 1
+        for k, (a, b) in enumerate(parts):
             outs, head = self.forward(ids if whole else ids[a:b], mask if whole else mask[a:b],
-                                      past if whole else [t[a:b] for t in past])
+                                      past if whole else past[k])
             logits.append(outs[0] if self.p.last else None)
             presents.append(outs[head:])
-        present = presents[0] if len(parts) == 1 else [torch.cat(ts) for ts in zip(*presents)]
+        present = presents[0] if whole else MicroStates(presents)
         if self.p.last:
             mine = (logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1]
             last = self.whole_logits(mine) if pick_across is None else self.gathered(mine, argmax=True)
@@ -343,6 +347,16 @@ class Rank:
             self.broadcast(buf, s["from"])
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, present
+
+
+class MicroStates(list):
+    """A rank's decode state as one flat state per micro-batch, in row order (Rank.step with M > 1)."""
+
+    def joined(self, host) -> list:
+        """The whole state, each tensor's micro-batches joined by rows in host memory (`host`: Rank.host)."""
+        import torch
+
+        return [torch.cat([host(t) for t in ts]) for ts in zip(*self)]
 
 
 def wire_rows(rows, dispatch: bool):
@@ -475,7 +489,8 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
 
             names = [n for n in me.entry["inputs"] if n.startswith("past.")]
             np.savez(Path(options.states_dir) / f"states.rank{rank}.npz",
-                     **{n: me.host(t).numpy() for n, t in zip(names, past)})
+                     **{n: me.host(t).numpy() for n, t in
+                        zip(names, past.joined(me.host) if isinstance(past, MicroStates) else past)})
         result = {"rank": rank, "replica": p.replica, "rows": [first, end], "own_rows": [own_lo, own_hi],
                   "padded_rows": padded, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
                   "decode_s": decoded.decode_s, "decode_steps": decoded.decode_steps,

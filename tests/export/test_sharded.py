@@ -199,22 +199,24 @@ def test_distributed_decode_equals_eager_and_one_process(model, mesh, dispatch, 
 
 @pytest.fixture(scope="session")
 def opencl_sharded(tmp_path_factory):
-    """`k3compile export k3-tiny --mesh ep=2 --target opencl` (skips where no OpenCL device is)."""
+    """`k3compile export k3-tiny --mesh ep=2,pp=2 --target opencl` (skips where no OpenCL device is)."""
     from k3compile.executors.opencl import DeviceError, devices
 
     try:
         devices()
     except DeviceError as e:
         pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("sharded-opencl") / "k3-tiny-ep2"
-    res = cli("export", "k3-tiny", "--mesh", "ep=2", "--target", "opencl", "-o", str(out), "--quiet")
+    out = tmp_path_factory.mktemp("sharded-opencl") / "k3-tiny-ep2-pp2"
+    res = cli("export", "k3-tiny", "--mesh", "ep=2,pp=2", "--target", "opencl", "-o", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-2000:]
     return out
 
 
 def test_opencl_ranks_decode_the_tokens_of_eager(opencl_sharded, references, tmp_path):
     """GPU ranks: each rank's launch plan on the OpenCL device, its all-reduces staged through host memory over
-    gloo. Tokens equal eager, states those of the single-process build, bytes measured = plan = the rule."""
+    gloo, the two stages' carries sent between ranks, the rows run as 2 micro-batches each keeping its state in
+    device buffers. Tokens equal eager, states those of the single-process build, bytes measured = plan = the
+    rule."""
     import json
 
     doc = json.loads((opencl_sharded / "manifest.json").read_text())
@@ -224,7 +226,7 @@ def test_opencl_ranks_decode_the_tokens_of_eager(opencl_sharded, references, tmp
         assert [b["symbol"] for b in plan["main"]["bindings"] if b["op"] == "extern"] == \
             ["k3.all_reduce"] * sum(c["op"] == "all_reduce" for s in r["schedule"] if s["op"] == "run"
                                     for c in s["collectives"])
-    check_decode(opencl_sharded, "all-reduce", *references["k3-tiny"], tmp_path / "states")
+    check_decode(opencl_sharded, "all-reduce", *references["k3-tiny"], tmp_path / "states", micro_batches=2)
     copy = tmp_path / "edited"  # a rank's launch plan is covered by the manifest's sha256s
     shutil.copytree(opencl_sharded, copy)
     plan = json.loads((copy / "rank1" / "launch.json").read_text())
@@ -343,7 +345,7 @@ def test_micro_batches_pipeline_the_stages_and_decode_the_same(sharded, referenc
 
 @pytest.mark.parametrize("mesh,args,expect", [
     ("ep=2,pp=2", ["--micro-batches", "4"], "--micro-batches 4: above the 3 rows a replica decodes"),
-    ("ep=2", ["--micro-batches", "2"], "micro-batches pipeline the stages of an llvm artifact with pp > 1")])
+    ("ep=2", ["--micro-batches", "2"], "micro-batches pipeline the stages of a mesh with pp > 1")])
 def test_micro_batches_that_cannot_apply_are_one_line(sharded, mesh, args, expect):
     prompts = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
     res = cli("run", str(sharded[("k3-tiny", mesh, "all-reduce")]), *prompts, "--max-new-tokens", "2", *args)
