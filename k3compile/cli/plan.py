@@ -12,6 +12,18 @@ SIZE = IntRange(1, 2**31 - 1)  # every size at most 2^31 - 1 (docs/architecture.
 MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerator
 
 
+AUTO = 0  # --micro-batches auto
+
+
+def _micro_batches(ctx, param, value: str) -> int:
+    if value == "auto":
+        return AUTO
+    try:
+        return SIZE.convert(value, param, ctx)
+    except click.BadParameter:
+        raise click.BadParameter(f"{value!r} is neither a count from 1 to {2**31 - 1} nor 'auto'") from None
+
+
 @click.command("plan")
 @click.argument("source", default="k3")
 @click.option("--devices", required=True, type=IntRange(1, MAX_RANKS),
@@ -34,24 +46,36 @@ MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerat
 @click.option("--link-bandwidth", "link_bandwidth", default=100.0, show_default=True,
               type=FiniteFloat(min=0, min_open=True, max=1e9),
               help="GB/s a device sends to its peers at (all its collectives share it).")
-@click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=SIZE,
-              help="Price each mesh with pp > 1 running its rows as this many micro-batches (run --micro-batches; "
-                   "at most a replica's rows).")
+@click.option("--device-tflops", "device_tflops", default=312.0, show_default=True,
+              type=FiniteFloat(min=0, min_open=True, max=1e9),
+              help="TFLOP/s a device computes at (dense bf16 matrix work; a stage takes the longer of its reads and "
+                   "its compute).")
+@click.option("--micro-batches", "micro_batches", default="1", show_default=True, callback=_micro_batches,
+              metavar="M|auto",
+              help="Price each mesh with pp > 1 running its rows as M micro-batches (run --micro-batches; at most a "
+                   "replica's rows); auto: each mesh at the count that predicts its fastest step.")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,
               callback=name_list(tuple(DISPATCH_FLAGS)),
               help="Comma-separated all-reduce, all-to-all: each mesh with ep > 1 priced once per dispatch (the "
                    "all-to-all where the batch gives every row group of every replica a row).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def command(source, devices, mesh, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth,
-            micro_batches, dispatches, as_json):
+            device_tflops, micro_batches, dispatches, as_json):
     """Per-device memory and bytes per decode token of the meshes of SOURCE (a preset, config.json or checkpoint
     folder; only its config is read) over DEVICES accelerators: weights by format, KDA state, MLA cache for CONTEXT
     and BATCH, activations; all-reduce / send / broadcast bytes, and the all-to-all dispatch alternative at latent
     and at full width (the slots it routes, expected under uniform routing); a predicted decode step on the stated
-    device (memory and link bandwidth). The meshes that fit come first, fastest first."""
+    device (memory and link bandwidth, compute). The meshes that fit come first, fastest first."""
     from k3compile.presets import load_config
     from k3compile.sharding import Mesh, PlanError
-    from k3compile.sharding.cost import Device, Sizes, candidate_meshes, does_not_fit, evaluate
+    from k3compile.sharding.cost import (
+        Device,
+        Sizes,
+        candidate_meshes,
+        does_not_fit,
+        evaluate,
+        fastest_micro_batches,
+    )
 
     memory = int(device_memory * GIB)
     with user_errors():
@@ -85,8 +109,10 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
             raise PlanError(f"no mesh of {devices} devices runs the all-to-all dispatch at batch {batch} (it needs "
                             "ep > 1 and a row for every row group of every replica)")
         sizes = Sizes.of(cfg)
-        device = Device(bandwidth=device_bandwidth * 1e9, link=link_bandwidth * 1e9)
-        rows = [evaluate(cfg, sizes, m, batch, context, dtype, memory, device, micro_batches, d) for m, d in runs]
+        device = Device(bandwidth=device_bandwidth * 1e9, link=link_bandwidth * 1e9, flops=device_tflops * 1e12)
+        rows = [fastest_micro_batches(cfg, sizes, m, batch, context, dtype, memory, device, d)
+                if micro_batches == AUTO else evaluate(cfg, sizes, m, batch, context, dtype, memory, device,
+                                                       micro_batches, d) for m, d in runs]
         rows.sort(key=lambda r: (not r["fits"], r["predicted"]["step_s"]))  # stable: equal times keep their order
         if mesh is not None and not rows[0]["fits"]:
             raise PlanError(does_not_fit(rows[0], memory))
@@ -96,28 +122,35 @@ def command(source, devices, mesh, context, batch, dtype, device_memory, device_
     if as_json:
         click.echo(dumps({"source": source, "devices": devices, "context": context, "batch": batch, "dtype": dtype,
                           "device_memory": memory, "device_bandwidth": device.bandwidth,
-                          "link_bandwidth": device.link, "micro_batches": micro_batches, "meshes": rows}, indent=2))
+                          "link_bandwidth": device.link, "device_flops": device.flops,
+                          "micro_batches": "auto" if micro_batches == AUTO else micro_batches, "meshes": rows},
+                         indent=2))
         return
-    _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, micro_batches)
+    _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, device_tflops,
+           micro_batches)
 
 
-def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth,
+def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_bandwidth, link_bandwidth, device_tflops,
            micro_batches) -> None:
     from rich.table import Table
 
     t = Table(title=f"k3compile plan: {cfg.name} on {devices} devices of {device_memory:g} GiB, "
-                    f"{device_bandwidth:g} GB/s memory, {link_bandwidth:g} GB/s link ({dtype}, context {context}, "
+                    f"{device_bandwidth:g} GB/s memory, {link_bandwidth:g} GB/s link, {device_tflops:g} TFLOP/s "
+                    f"({dtype}, context {context}, "
                     f"batch {batch}). GiB on the fullest device (state: KDA + MLA cache + activations); "
                     "bytes per decode token over the mesh (a mesh marked a2a: with the all-to-all dispatch, else the "
                     "all-reduce); a2a D_e / D: the all-to-all alternative at latent width D_e and at D (the routed "
                     "slots, expected under uniform routing); "
                     "max ctx: the longest context every device holds at this batch; step: the predicted decode "
-                    "step (memory-bound, " + (f"{micro_batches} micro-batches in flight where pp > 1" if
-                                              micro_batches > 1 else "one batch in flight") + "), the meshes "
+                    "step (each stage the longer of its reads and its compute, then its collectives; "
+                    + ("M: the micro-batches that predict the fastest step where pp > 1" if micro_batches == AUTO
+                       else f"{micro_batches} micro-batches in flight where pp > 1" if micro_batches > 1
+                       else "one batch in flight") + "), the meshes "
                     "that fit first, fastest first")
     t.add_column("mesh", no_wrap=True)
-    for col in ("dense", "experts", "state", "total", "fits", "max ctx", "step ms", "tok/s", "all-reduce", "send",
-                "a2a D_e", "a2a D", "D_e/D"):
+    shown = micro_batches != 1  # the micro-batch count of each row (auto: chosen per mesh)
+    for col in ("dense", "experts", "state", "total", "fits", "max ctx", *(("M",) if shown else ()), "step ms", "tok/s",
+                "all-reduce", "send", "a2a D_e", "a2a D", "D_e/D"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         b = r["device_bytes"]
@@ -128,6 +161,7 @@ def _table(cfg, rows, devices, context, batch, dtype, device_memory, device_band
         name = r["mesh"] + (" a2a" if r["dispatch"] == "all_to_all" else "")
         t.add_row(name, f"{b['dense'] / GIB:,.1f}", f"{experts / GIB:,.1f}", f"{state / GIB:,.2f}",
                   f"{r['device_total'] / GIB:,.1f}", "yes" if r["fits"] else "no", f"{r['max_context']:,}",
+                  *((str(r["predicted"]["micro_batches"]),) if shown else ()),
                   f"{r['predicted']['step_s'] * 1e3:,.2f}", f"{r['predicted']['tokens_per_s']:,.1f}",
                   _bytes(r["bytes_per_token"]["all_reduce"]), _bytes(r["bytes_per_token"]["send"]),
                   *((_bytes(a2a["latent"]), _bytes(a2a["full_width"])) if a2a["full_width"] else ("-", "-")), ratio)

@@ -175,15 +175,18 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
 @dataclass(frozen=True)
 class Device:
     """The accelerator a plan predicts decode time for (docs/architecture.md, "The plan's device model"): memory
-    bandwidth in bytes/s, and the bytes/s one device sends to its peers (every collective of a step shares it)."""
+    bandwidth in bytes/s, the bytes/s one device sends to its peers (every collective of a step shares it), and the
+    floating-point operations a second its matrix units sustain."""
 
     bandwidth: float
     link: float
+    flops: float = 312e12
 
 
-# The default class: a 64 GiB HBM2e accelerator at 1.6 TB/s with 100 GB/s of interconnect per device. An assumed
-# class, not a measured one (`plan --device-bandwidth / --link-bandwidth` set another).
-DEFAULT_DEVICE = Device(bandwidth=1.6e12, link=100e9)
+# The default class: a 64 GiB HBM2e accelerator at 1.6 TB/s with 100 GB/s of interconnect per device and 312 TFLOP/s
+# of dense bf16 (an A100-class part). An assumed class, not a measured one (`plan --device-bandwidth /
+# --link-bandwidth / --device-tflops` set another).
+DEFAULT_DEVICE = Device(bandwidth=1.6e12, link=100e9, flops=312e12)
 
 
 def rank_read_bytes(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, context: int, dtype_bytes: int) -> int:
@@ -198,6 +201,30 @@ def rank_read_bytes(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, context
     state = rank_state(cfg, p, rows, context, dtype_bytes)
     new_row = rank_state(cfg, p, rows, 1, dtype_bytes)["mla_cache"]
     return dense + round(experts * touched) + 2 * state["kda_state"] + state["mla_cache"] + new_row
+
+
+def rank_flops(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, routed_rows: int, context: int) -> int:
+    """Floating-point operations rank `p` computes in one decode step of `rows` rows after `context` tokens (an
+    estimate: the matrix work, not the norms and activations): 2 per element and row of every dense matrix it holds
+    but the embedding (a lookup); of its routed experts, 2 per element of each expert a routing picks on this rank
+    (uniform routing: `routed_rows` x top-k x its share of the experts; `routed_rows` are the rows whose picks reach
+    it: its stage's with the all-to-all); MLA's absorbed attention over the cache, 2 · context · heads/tp ·
+    (2 · kv_lora_rank + rope) a row and layer (the scores against latent + k_rope, the weighted sum of latents); and
+    KDA's state update and read, 8 · heads/tp · K · V a row and layer."""
+    share = (p.experts[1] - p.experts[0]) / cfg.num_experts if cfg.num_experts else 0.0
+    layers = sizes.layers[p.layers[0]:p.layers[1]]
+    dense = rank_weights(cfg, sizes, p, 1)["dense"] - (sizes.embed // p.tp if p.first else 0)
+    # a layer's routed-expert elements: float as counted, MXFP4 from its bytes (16 code bytes + 1 scale per 32)
+    elements = sum(r[1] if cfg.expert_format != "mxfp4" else r[2] * 32 // 17 for r in layers)
+    experts = 2 * routed_rows * cfg.num_experts_per_token * share * elements / cfg.num_experts if cfg.num_experts \
+        else 0.0
+    attention = 0
+    for i in range(*p.layers):
+        if cfg.is_mla(i):
+            attention += 2 * context * (cfg.num_attention_heads // p.tp) * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        else:
+            attention += 8 * (cfg.kda_num_heads // p.tp) * cfg.kda_head_dim * cfg.kda_head_dim
+    return round(2 * rows * dense + experts + rows * attention)
 
 
 def link_seconds(moved: dict[str, int], mesh: Mesh, device: Device) -> float:
@@ -294,7 +321,9 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
         for k in total:
             total[k] += count * moved[k]
         part = -(-b // parts)  # the largest micro-batch's rows; its collectives carry that share of the step's bytes
-        seconds = rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth + link_seconds(
+        routed = part * (mesh.ep if plan.dispatch == "all_to_all" else 1)  # the rows whose picks reach this rank
+        seconds = max(rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth,
+                      rank_flops(cfg, sizes, p, part, routed, context) / device.flops) + link_seconds(
             {k: v * part / b for k, v in moved.items()}, mesh, device)
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
@@ -318,7 +347,23 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             "predicted": {"step_s": step, "tokens_per_s": batch / step,
                           "stage_s": [max(stages[(d, st)] for d in range(mesh.dp) if (d, st) in stages)
                                       for st in range(mesh.pp)], "micro_batches": parts,
-                          "device_bandwidth": device.bandwidth, "link_bandwidth": device.link}}
+                          "device_bandwidth": device.bandwidth, "link_bandwidth": device.link,
+                          "device_flops": device.flops}}
+
+
+def fastest_micro_batches(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
+                          device_memory: int, device: Device = DEFAULT_DEVICE, dispatch: str = "all_reduce") -> dict:
+    """`plan --micro-batches auto`: evaluate's row for the micro-batch count M that predicts the fastest step, of 1,
+    the powers of two below a replica's rows and those rows (micro_parts' bound); the fewest of equal times. A mesh
+    with pp = 1 has only M = 1."""
+    best = None
+    top = micro_parts(mesh, batch, batch)
+    for m in sorted({1, top, *(2 ** k for k in range(1, top.bit_length()) if 2 ** k < top)}):
+        row = evaluate(cfg, sizes, mesh, batch, context, dtype, device_memory, device, m, dispatch)
+        if best is None or row["predicted"]["step_s"] < best["predicted"]["step_s"]:
+            best = row
+    assert best is not None
+    return best
 
 
 def micro_parts(mesh: Mesh, batch: int, micro_batches: int) -> int:

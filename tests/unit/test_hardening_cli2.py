@@ -95,7 +95,9 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory, dispatch="all_r
         moved = cost.step_bytes(cfg, plan, p.rank, batch, w, tp_key=True)
         for k in total:
             total[k] += moved[k]
-        seconds = (cost.rank_read_bytes(cfg, sizes, p, b, context, w) / dev.bandwidth
+        routed = b * (mesh.ep if dispatch == "all_to_all" else 1)
+        seconds = (max(cost.rank_read_bytes(cfg, sizes, p, b, context, w) / dev.bandwidth,
+                       cost.rank_flops(cfg, sizes, p, b, routed, context) / dev.flops)
                    + cost.link_seconds(moved, mesh, dev))
         stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
     step = max(sum(stages[(d, s)] for s in range(mesh.pp)) for d in range(mesh.dp))
@@ -114,7 +116,8 @@ def _every_rank(cfg, sizes, mesh, batch, context, dtype, memory, dispatch="all_r
             "predicted": {"step_s": step, "tokens_per_s": batch / step,
                           "stage_s": [max(stages[(d, s)] for d in range(mesh.dp)) for s in range(mesh.pp)],
                           "micro_batches": 1,
-                          "device_bandwidth": dev.bandwidth, "link_bandwidth": dev.link}}
+                          "device_bandwidth": dev.bandwidth, "link_bandwidth": dev.link,
+                          "device_flops": dev.flops}}
 
 
 @settings(max_examples=examples(60), deadline=None)

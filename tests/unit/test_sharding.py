@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from k3compile.interface import ExportError, sha256_file
 from k3compile.presets import preset
 from k3compile.sharding import Mesh, PlanError, ShardPlan, carry_names, make_plan
-from k3compile.sharding.cost import Sizes, evaluate, rank_weights
+from k3compile.sharding.cost import Sizes, evaluate, rank_flops, rank_weights, step_bytes
 from k3compile.sharding.plan import even_slices, stage_cuts
 
 
@@ -255,6 +255,57 @@ def test_the_predicted_decode_step_follows_the_hand_rule_on_k3():
     one_stage = evaluate(k3, sizes, Mesh(64), batch=b, context=ctx, dtype="bf16", device_memory=64 << 30,
                          device=dev, micro_batches=4)
     assert one_stage["predicted"]["micro_batches"] == 1  # nothing to overlap at pp = 1
+    # the stage's compute (rank_flops over the default 312 TFLOP/s) is below its reads here: the rule above is whole
+    assert rank_flops(k3, sizes, p, b, b, ctx) / dev.flops < read / 1e12
+
+
+def test_the_compute_term_follows_the_hand_rule_and_bounds_a_compute_bound_stage():
+    """rank_flops for stage 0 of ep=8,pp=8 on K3 written out by hand (2 per dense element and row but the
+    embedding's; 2 per element of each expert picked on the rank; MLA's absorbed attention over the context; KDA's
+    state work), and a device slow enough to compute that the stage takes its compute time, not its reads."""
+    from k3compile.sharding.cost import Device
+
+    k3 = preset("k3")
+    sizes = Sizes.of(k3)
+    mesh, b, ctx = Mesh(8, 8), 8, 131072
+    p = make_plan(k3, mesh).rank(0)
+    dense = rank_weights(k3, sizes, p, 1)["dense"] - 163840 * 7168  # elements, the embedding left out
+    per_expert = 3 * 3072 * 3584  # W13 + W2 of one expert
+    experts = 2 * b * 16 * (112 / 896) * 11 * 896 * per_expert / 896  # 11 MoE layers, 112 of 896 experts here
+    attention = 3 * 2 * ctx * 96 * (2 * 512 + 64) + 9 * 8 * 96 * 128 * 128  # 3 MLA layers, 9 KDA; 96 heads each
+    want = 2 * b * dense + experts + b * attention
+    assert rank_flops(k3, sizes, p, b, b, ctx) == pytest.approx(want, rel=1e-12)  # float sums of exact integers
+    slow = Device(bandwidth=1e12, link=1e11, flops=1e12)
+    row = evaluate(k3, sizes, mesh, batch=b, context=ctx, dtype="bf16", device_memory=64 << 30, device=slow)
+    link = row["predicted"]["stage_s"][0] - rank_flops(k3, sizes, p, b, b, ctx) / 1e12
+    moved = step_bytes(k3, make_plan(k3, mesh), 0, b, 2)
+    assert link == pytest.approx((moved["all_reduce"] * 2 * 7 / 8 + moved["send"]) / 1e11, rel=1e-6)
+
+
+def test_micro_batches_auto_takes_the_fastest_count():
+    """`plan --micro-batches auto` (fastest_micro_batches): each mesh's row is evaluate's at the count of 1, 2, 4,
+    ..., a replica's rows that predicts the fastest step; at K3's 131072-token context a stage's time is mostly its
+    rows' MLA caches, so with stages to overlap it takes M > 1, and at pp = 1 it stays 1."""
+    from k3compile.sharding.cost import fastest_micro_batches
+
+    k3 = preset("k3")
+    sizes = Sizes.of(k3)
+    for mesh in (Mesh(1, 2, 2, 16), Mesh(8, 8), Mesh(64)):
+        best = fastest_micro_batches(k3, sizes, mesh, 8, 131072, "bf16", 64 << 30)
+        each = {m: evaluate(k3, sizes, mesh, 8, 131072, "bf16", 64 << 30, micro_batches=m)["predicted"]["step_s"]
+                for m in (1, 2, 4, 8)}
+        assert best["predicted"]["step_s"] == min(each.values())
+        assert best["predicted"]["micro_batches"] == min(m for m, t in each.items() if t == min(each.values())) \
+            or mesh.pp == 1
+    assert fastest_micro_batches(k3, sizes, Mesh(1, 2, 2, 16), 8, 131072, "bf16", 64 << 30)[
+        "predicted"]["micro_batches"] > 1
+    assert fastest_micro_batches(k3, sizes, Mesh(64), 8, 131072, "bf16", 64 << 30)["predicted"]["micro_batches"] == 1
+    res = _plan("k3", "--devices", "64", "--context", "131072", "--batch", "8", "--micro-batches", "auto", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["micro_batches"] == "auto" and any(r["predicted"]["micro_batches"] > 1 for r in doc["meshes"])
+    res = _plan("k3", "--devices", "64", "--micro-batches", "most")
+    assert res.returncode == 2 and "neither a count" in res.stderr and "Traceback" not in res.stderr
 
 
 def _plan(*args):
