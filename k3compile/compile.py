@@ -101,6 +101,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "target": tgt.name,
             "tvm_target": tgt.describe(),
             **({"host": cpu} if not tgt.gpu and (cpu := host_record()) else {}),  # lean.py's host check
+            "entry_points": entry_points(mod),
             "versions": {"tvm": tvm.__version__, "onnx": onnx.__version__},
             "interface": GraphInterface.of(cfg).as_record(),
             "params": names,
@@ -296,6 +297,14 @@ def dense_matrices(mod) -> dict[str, int]:
         for fmt in mod.attrs[PACKED].values():
             counts[str(fmt)] = counts.get(str(fmt), 0) + 1
     return counts
+
+
+def entry_points(mod) -> list[str]:
+    """The library's Relax functions by name (main, and main_inplace / main_inplace_last where
+    passes/inplace_caches.py made them): what a reader may call, said without loading it (lean.eligible)."""
+    from tvm import relax
+
+    return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function))
 
 
 def host_gemm_record(mod) -> dict | None:

@@ -46,7 +46,8 @@ NAME = "tvm-llvm"  # the backend name generate reports: the same library TvmBack
 def eligible(source, backend: str = "auto", temperature: float = 0.0, cache_block: int | None = None,
              device: int | None = None, wire: str = "fp32") -> bool:
     """Whether `generate` with these options runs SOURCE here: an llvm artifact compiled on a machine whose
-    host_record equals this one's, greedy, no prefix cache, no device, no wire format."""
+    host_record equals this one's, whose library has main_inplace_last (its manifest's entry_points: a model with
+    MLA caches in the form passes/inplace_caches.py takes), greedy, no prefix cache, no device, no wire format."""
     from k3compile.manifest import KIND, MANIFEST, loose_manifest
     from k3compile.targets import host_record
 
@@ -55,7 +56,8 @@ def eligible(source, backend: str = "auto", temperature: float = 0.0, cache_bloc
         return False
     doc = loose_manifest(source)
     here = host_record()
-    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here
+    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here \
+        and isinstance(doc.get("entry_points"), list) and LAST_FUNC in doc["entry_points"]
 
 
 def import_tvm():

@@ -343,7 +343,7 @@ def test_compile_command_refuses_bad_requests(tmp_path, tiny_export):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface", "tuning", "host"]
+MANIFEST_KEYS = ["k3compile", "kind", "target", "params", "files", "interface", "tuning", "host", "entry_points"]
 JSON = st.none() | st.booleans() | st.integers(-2, 2**65) | st.text(max_size=6) \
     | st.lists(st.text(max_size=4), max_size=2) \
     | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2) \
@@ -416,13 +416,19 @@ def test_the_torch_free_load_probe_loads_neither_torch_nor_the_compiler(tvm_arti
 def test_an_artifact_of_another_host_is_left_to_tvm_backend(tmp_path, tvm_artifact):
     """An artifact whose recorded host differs from this machine's (or records none: built before lean.py) is not
     run without the compiler: `eligible` says no, so generate runs TvmBackend, whose check names the target; lean's
-    own loader refuses it in one line."""
+    own loader refuses it in one line. Nor is one whose library has no main_inplace_last (its entry_points)."""
     import shutil
 
     from k3compile.lean import LeanArtifact, eligible
 
     assert eligible(tvm_artifact[1]) and not eligible(tvm_artifact[1], temperature=0.5)
     assert not eligible(tvm_artifact[1], cache_block=4) and not eligible(tvm_artifact[1], backend="onnx")
+    assert "main_inplace_last" in tvm_artifact[0]["entry_points"]
+    plain = tmp_path / "plain"
+    shutil.copytree(tvm_artifact[1], plain)
+    doc = json.loads((plain / "manifest.json").read_text())
+    (plain / "manifest.json").write_text(json.dumps({**doc, "entry_points": ["main"]}))
+    assert not eligible(plain)
     for host in ({**tvm_artifact[0]["host"], "cores": tvm_artifact[0]["host"]["cores"] + 1}, None):
         folder = tmp_path / f"art-{host is None}"
         shutil.copytree(tvm_artifact[1], folder)
