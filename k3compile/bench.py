@@ -217,7 +217,7 @@ def _open(kind: str, folder: str, threads: int):
 
 def _probe_in_subprocess(kind: str, folder: str, threads: int) -> dict:
     """load_probe in a fresh process; a CPU artifact that `generate` runs without torch (lean.eligible) is probed
-    the same way, by lean.probe."""
+    as generate runs it, by lean_probe."""
     from k3compile.lean import eligible
 
     if kind in ("tvm", TVM_MXFP8) and eligible(folder):
