@@ -328,10 +328,12 @@ class ShardedBackend:
 
     def _wait_ready(self) -> None:
         """Until every rank has loaded (its key in the store), then GO; a rank that exits meanwhile is named."""
+        from k3compile.runtime.launch import exit_code
+
         keys = [f"{READY}{r}" for r in range(self.plan.mesh.size)]
         deadline = time.monotonic() + self.start_timeout
         while not self._hosted.store.check(keys):
-            if any(p.poll() is not None for p in self._procs.values()):
+            if any(exit_code(p) is not None for p in self._procs.values()):
                 raise RuntimeFault(self._cause() or "a rank exited while loading")
             remote = self._node_failure()
             if remote is not None:
@@ -344,11 +346,11 @@ class ShardedBackend:
         self._last = time.monotonic()
 
     def _cause(self) -> str | None:
-        from k3compile.runtime.launch import SETTLE_S, failure_line
+        from k3compile.runtime.launch import SETTLE_S, exit_code, failure_line
 
         deadline = time.monotonic() + SETTLE_S
         while True:  # over several nodes the whole settle time: another node's line may come after a local one
-            failed = {r: p.poll() for r, p in self._procs.items() if p.poll() not in (None, 0)}
+            failed = {r: c for r, p in self._procs.items() if (c := exit_code(p)) not in (None, 0)}
             if (failed and self._nnodes == 1) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -201,17 +201,32 @@ def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: 
 def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:
     """Wait until every worker exits; at the first failure, stop the others and raise the line naming the cause."""
     while True:
-        codes = {r: p.poll() for r, p in procs.items()}
+        codes = {r: exit_code(p) for r, p in procs.items()}
         if all(c == 0 for c in codes.values()):
             return
         if any(c not in (None, 0) for c in codes.values()):
             deadline = time.monotonic() + SETTLE_S
             while time.monotonic() < deadline and any(c is None for c in codes.values()):
                 time.sleep(POLL_S)
-                codes = {r: p.poll() for r, p in procs.items()}
+                codes = {r: exit_code(p) for r, p in procs.items()}
             failed = {r: c for r, c in codes.items() if c not in (None, 0)}
             raise RuntimeFault(failure_line(failed, run_dir))
         time.sleep(POLL_S)
+
+
+def exit_code(p: subprocess.Popen) -> int | None:
+    """p's exit status as Popen gives it (minus the signal that killed it), or None while it runs. Asked of waitid
+    without reaping p, so no lock is taken: Popen.poll takes a lock of p's, and SIGTERM or Ctrl-C raising just after
+    it is taken (CPython 3.11) leaves it held, and stop_all's wait then blocks for ever. stop_all reaps."""
+    if p.returncode is not None:
+        return p.returncode
+    try:
+        info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: Popen knows how it ended
+        return p.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def failure_line(failed: dict[int, int], run_dir: Path) -> str:
@@ -239,18 +254,26 @@ def failure_line(failed: dict[int, int], run_dir: Path) -> str:
 
 
 def stop_all(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all."""
-    alive = [p for p in procs.values() if p.poll() is None]
+    """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all.
+    It waits with exit_code, never on Popen's lock, so a lock left held cannot hang it: the run ends, at worst
+    leaving a zombie to this process's exit."""
+    alive = [p for p in procs.values() if exit_code(p) is None]
     for p in alive:
         _signal(p, signal.SIGTERM)
         _signal(p, signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only once continued
-    deadline = time.monotonic() + SHUTDOWN_S
+    _wait_exit(alive, SHUTDOWN_S)
+    alive = [p for p in alive if exit_code(p) is None]
     for p in alive:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
-            p.wait()
+        _signal(p, signal.SIGKILL)
+    _wait_exit(alive, SHUTDOWN_S)  # SIGKILL ends them at once but for one in an uninterruptible wait
+    for p in procs.values():
+        p.poll()  # reaps (a no-op where a lock left held by a signal in poll forbids it)
+
+
+def _wait_exit(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(exit_code(p) is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
