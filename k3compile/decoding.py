@@ -1,7 +1,7 @@
 """What a decode needs besides the model, without torch (docs/architecture.md, "The torch-free decode"): the
-request's checks, left padding, the prefill chunk's default size and the one decode loop. generate.py wraps it for
-torch backends, runtime/worker.py for a rank, lean.py runs it on a CPU artifact in a process that never imports
-torch.
+request's checks, left padding, the prefill chunk's default size, the one sampler and the one decode loop.
+generate.py wraps it for torch backends, runtime/worker.py for a rank, lean.py runs it on a CPU artifact in a
+process that never imports torch.
 """
 
 from __future__ import annotations
@@ -102,6 +102,42 @@ def decode_loop(step: Callable, prompts: list[list[int]], max_new_tokens: int, p
         mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], axis=1)
     total = time.perf_counter() - t0
     return Generation(out, prefill_s, total - prefill_s, steps)
+
+
+class Sampler:
+    """Each row's next token from its last logits [B, V]: the argmax (the first of equal maxima) at temperature 0;
+    else a draw from the softmax of logits / temperature, cut to the top-p nucleus (the most probable tokens whose
+    mass before them is below top_p: at least the top one), with one uniform per row, in row order, from a PCG64
+    generator seeded with `seed`. numpy's generator and this arithmetic are the same in every runtime that decodes
+    (generate's torch backends, lean.py's torch-free one, a sharded run's token source, the server's rows), so a seed
+    draws the same tokens from the same logits in each."""
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.rng = np.random.Generator(np.random.PCG64(seed)) if temperature > 0 else None
+
+    @property
+    def greedy(self) -> bool:
+        return self.rng is None
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """logits [B, V] (finite: check_finite) -> next token ids [B], int64."""
+        if self.rng is None:
+            return np.argmax(logits, axis=-1).astype(np.int64)
+        # In float64, shifted by the max before dividing: for a tiny temperature (1e-45) the quotient is 0 at the
+        # max and -inf elsewhere, which exp takes, where logits / T alone overflows to inf - inf = NaN.
+        x = np.asarray(logits, dtype=np.float64)
+        probs = np.exp((x - x.max(axis=-1, keepdims=True)) / self.temperature)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        if self.top_p < 1.0:
+            order = np.argsort(-probs, axis=-1, kind="stable")
+            ranked = np.take_along_axis(probs, order, axis=-1)
+            before = np.cumsum(ranked, axis=-1) - ranked  # mass strictly above each candidate
+            np.put_along_axis(probs, order, np.where(before >= self.top_p, 0.0, ranked), axis=-1)
+        cdf = np.cumsum(probs, axis=-1)
+        target = self.rng.random(len(probs)) * cdf[:, -1]
+        # the first token whose cumulative mass exceeds the target: it has mass (cdf[i] > target >= cdf[i - 1])
+        return (cdf <= target[:, None]).sum(axis=-1).astype(np.int64)
 
 
 def check_finite(last: np.ndarray, index: int) -> None:

@@ -3,8 +3,8 @@
 A backend is anything with `step(input_ids [B, T], attention_mask [B, P+T], past) -> (logits [B, T, V], present)`
 and `init_past(batch)` (backends.base.Backend): the eager model, onnxruntime, and the compiled targets to come.
 Greedy by default; temperature / top-p sampling draws from a seeded generator, so runs repeat exactly. The loop,
-the request's checks and left padding are decoding.py's (torch-free, shared with lean.py); this module gives them
-torch tensors.
+the sampler, the request's checks and left padding are decoding.py's (torch-free, shared with lean.py); this module
+gives them torch tensors.
 """
 
 from __future__ import annotations
@@ -37,20 +37,10 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-def pick_next(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> Tensor:
-    """logits [B, V] -> next token ids [B]."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    # Shift by the max before dividing: for a tiny temperature (1e-45) the quotient is 0 at the max and -inf
-    # elsewhere, which softmax takes, where logits / T alone overflows to inf - inf = NaN.
-    logits = logits.float()
-    probs = torch.softmax((logits - logits.max(-1, keepdim=True).values) / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each candidate
-        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # keeps at least the top token
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+def pick_next(logits: Tensor, sampler: decoding.Sampler) -> Tensor:
+    """logits [B, V] -> next token ids [B]: decoding.Sampler's pick (shared with every runtime, never torch's RNG),
+    on a numpy view of the fp32 logits."""
+    return torch.from_numpy(sampler(logits.detach().float().cpu().numpy()))
 
 
 def decode_loop(step: Callable[[Tensor, Tensor, int], Tensor], prompts: list[list[int]], max_new_tokens: int,
@@ -168,7 +158,7 @@ def generate(
     cfg = backend.config
     check_request(cfg, prompts, max_new_tokens, temperature, top_p)
     check_chunk(prefill_chunk)
-    gen = torch.Generator().manual_seed(seed)
+    sampler = decoding.Sampler(temperature, top_p, seed)
     kept: list[Tensor] = []
     past = backend.init_past(len(prompts))
     step_last = step_last_of(backend)
@@ -187,7 +177,7 @@ def generate(
         check_finite(last, index)
         if keep_logits:
             kept.append(last.detach().clone())
-        return pick_next(last, temperature, top_p, gen)
+        return pick_next(last, sampler)
 
     with glue_threads(backend):  # torch's threads would spin against the backend's own (threads.py)
         result = decode_loop(step, prompts, max_new_tokens, cfg.pad_token_id if cfg.pad_token_id is not None else 0,

@@ -1,4 +1,4 @@
-"""Greedy decoding of a CPU artifact in a process that imports neither torch nor TVM's compiler (docs/architecture.md,
+"""Decoding a CPU artifact in a process that imports neither torch nor TVM's compiler (docs/architecture.md,
 "The torch-free decode").
 
 Why: a decode's peak memory should be its weights plus little. A Python process that imports torch holds ~220 MB
@@ -8,11 +8,11 @@ library, its VM and the weights are all the runtime's.
 
 `k3compile generate` takes this path (cli/generate.py asks `eligible`) for an llvm artifact whose manifest records
 this machine as its `host` (targets.host_record: the check TvmBackend makes with LLVM's CPU name, made without the
-compiler), greedy, with no prefix cache. Everything else (sampling, `--cache-block`, an older artifact, serve,
-verify, bench's throughput rows) runs TvmBackend (backends/tvm.py). Both call the same functions of the same library
-on the same weights, main_inplace_last and decode.so's for a batch-1 step, and the same decode loop
-(decoding.decode_loop), so they give the same tokens; a test compares this path with eager in a process where
-importing torch fails.
+compiler), with no prefix cache. Everything else (`--cache-block`, an older artifact, serve, verify, bench's
+throughput rows) runs TvmBackend (backends/tvm.py). Both call the same functions of the same library on the same
+weights, main_inplace_last and decode.so's for a batch-1 step, the same decode loop (decoding.decode_loop) and the
+same sampler (decoding.Sampler), so they give the same tokens, sampled ones too; a test compares this path with eager
+in a process where importing torch fails.
 
 The state stays in TVM tensors for the whole run: the KDA states a step returns are the next step's inputs as they
 are, and each MLA cache is one buffer sized to the longest prompt plus max_new_tokens, which main_inplace_last writes
@@ -31,28 +31,29 @@ import numpy as np
 
 from k3compile.decoding import (
     Generation,
+    Sampler,
     check_chunk,
     check_finite,
     check_request,
     decode_loop,
     default_prefill_chunk,
 )
-from k3compile.interface import ExportError, GraphInterface, state_shapes
-from k3compile.library import LAST_FUNC, RELEASE_AT, has_function, release_pool
+from k3compile.interface import ExportError, state_shapes
+from k3compile.library import LAST_FUNC, RELEASE_AT, has_function, release_pool, vm_for
 
 NAME = "tvm-llvm"  # the backend name generate reports: the same library TvmBackend runs
 
 
-def eligible(source, backend: str = "auto", temperature: float = 0.0, cache_block: int | None = None,
-             device: int | None = None, wire: str = "fp32") -> bool:
+def eligible(source, backend: str = "auto", cache_block: int | None = None, device: int | None = None,
+             wire: str = "fp32") -> bool:
     """Whether `generate` with these options runs SOURCE here: an llvm artifact compiled on a machine whose
     host_record equals this one's, whose library has main_inplace_last (its manifest's entry_points: a model with
-    MLA caches in the form passes/inplace_caches.py takes), greedy, no prefix cache, no device, no wire format."""
+    MLA caches in the form passes/inplace_caches.py takes), no prefix cache, no device, no wire format."""
     from k3compile.manifest import KIND, MANIFEST, loose_manifest
     from k3compile.targets import host_record
 
-    if backend not in ("auto", "tvm") or temperature > 0 or cache_block is not None or device is not None \
-            or wire != "fp32" or not (Path(source) / MANIFEST).is_file():
+    if backend not in ("auto", "tvm") or cache_block is not None or device is not None or wire != "fp32" \
+            or not (Path(source) / MANIFEST).is_file():
         return False
     doc = loose_manifest(source)
     here = host_record()
@@ -97,8 +98,7 @@ class LeanArtifact:
 
     def __init__(self, folder: str | Path) -> None:
         from k3compile import library
-        from k3compile.config import read_config
-        from k3compile.manifest import LIBRARY, WEIGHTS, read_manifest
+        from k3compile.manifest import LIBRARY
         from k3compile.targets import host_record
 
         tvm = import_tvm()
@@ -106,36 +106,32 @@ class LeanArtifact:
 
         folder = Path(folder)
         t0 = time.perf_counter()
-        self.manifest = read_manifest(folder)
-        self.config = read_config(folder / "config.json")
-        if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
-            raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
+        self.manifest, self.config = library.open_artifact(folder)
         here = host_record()
         if self.manifest["target"] != "llvm" or here is None or self.manifest.get("host") != here:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine; "
                               "compile it again here")
         self.name = NAME
         self.device = tvm.cpu()
-        names = self.manifest["params"]
-        self._params = library.read_weights(folder / WEIGHTS, names, self.device)
-        self._vm = VirtualMachine(library.load(folder / LIBRARY, names, folder / WEIGHTS), self.device)
-        tuning = self.manifest.get("tuning")
+        executable, decode, self._params = library.load_artifact(folder, self.manifest, self.device)
+        self._vm = VirtualMachine(executable, self.device)
         self._decode_vm = None
-        if tuning:  # decode.so: batch-1 decode steps, static shapes (k3compile/tune.py), on the same weights
-            self._decode_vm = VirtualMachine(library.load(folder / tuning["library"], names, folder / WEIGHTS),
-                                             self.device)
+        if decode is not None:
+            self._decode_vm = VirtualMachine(decode, self.device)
             if not has_function(self._decode_vm, LAST_FUNC):
                 self._decode_vm = None
         if not has_function(self._vm, LAST_FUNC):
             raise ExportError(f"{folder / LIBRARY}: has no {LAST_FUNC} (built by an older k3compile); compile again")
         self.load_s = time.perf_counter() - t0
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None,
-                 prefill_chunk: int | None = None, progress: Callable[[int, int], None] | None = None) -> Generation:
-        """Greedy tokens for a left-padded batch of prompts, as generate.generate gives them at temperature 0."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, eos_token_id: int | None = None, prefill_chunk: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Generation:
+        """Tokens for a left-padded batch of prompts, as generate.generate gives them (the same sampler)."""
         cfg = self.config
-        check_request(cfg, prompts, max_new_tokens)
+        check_request(cfg, prompts, max_new_tokens, temperature, top_p)
         check_chunk(prefill_chunk)
+        sampler = Sampler(temperature, top_p, seed)
         run = _Run(self, len(prompts), max(len(p) for p in prompts) + max_new_tokens)
 
         def step(ids: np.ndarray, mask: np.ndarray, index: int) -> np.ndarray:
@@ -148,7 +144,7 @@ class LeanArtifact:
                 logits = run.step(ids, mask)
             last = logits[:, -1]
             check_finite(last, index)
-            return last.argmax(-1)
+            return sampler(last)
 
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         return decode_loop(step, prompts, max_new_tokens, pad, eos_token_id,
@@ -177,7 +173,7 @@ class _Run:
         import tvm
 
         art, cfg = self.art, self.art.config
-        vm = art._decode_vm if art._decode_vm is not None and ids.shape == (1, 1) else art._vm
+        vm = vm_for(art._vm, art._decode_vm, ids.shape)
         feeds = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), art.device) for x in (ids, mask)]
         feeds += [t for pair in self.state for t in pair]
         outs = vm[LAST_FUNC](*feeds, tvm.runtime.ShapeTuple([self.length]), *art._params)

@@ -267,3 +267,35 @@ def has_function(vm, name: str) -> bool:
     except (AttributeError, KeyError, ValueError, RuntimeError):
         return False
     return True
+
+
+def open_artifact(folder: Path):
+    """A compiled artifact's manifest (every file's sha256 checked: manifest.read_manifest) and config, which must
+    give the interface the manifest records; before its host is checked and anything is loaded."""
+    from k3compile.config import read_config
+    from k3compile.interface import GraphInterface
+    from k3compile.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    config = read_config(folder / "config.json")
+    if manifest.get("interface") != GraphInterface.of(config).as_record():
+        raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
+    return manifest, config
+
+
+def load_artifact(folder: Path, manifest: dict, device) -> tuple:
+    """(library, decode library or None, weights on `device`): what TvmBackend and lean.LeanArtifact run. The decode
+    library is the batch-1, static-shape one `compile --tune` adds (manifest "tuning"; k3compile/tune.py), on the
+    same weights; each library's signature is checked against the weights file (`load`)."""
+    from k3compile.manifest import LIBRARY, WEIGHTS
+
+    names = manifest["params"]
+    executable = load(folder / LIBRARY, names, folder / WEIGHTS)
+    tuning = manifest.get("tuning")
+    decode = load(folder / tuning["library"], names, folder / WEIGHTS) if tuning else None
+    return executable, decode, read_weights(folder / WEIGHTS, names, device)
+
+
+def vm_for(vm, decode_vm, ids_shape: tuple) -> object:
+    """The decode library's VM for a batch-1 decode step (ids [1, 1]) where there is one, else the library's."""
+    return decode_vm if decode_vm is not None and tuple(ids_shape) == (1, 1) else vm

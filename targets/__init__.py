@@ -12,6 +12,7 @@ target this machine or this TVM build cannot compile for, and why.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -28,10 +29,10 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
 
     cpu = str(codegen.llvm_get_system_cpu())
     fields: list[tuple[str, object]] = [("mcpu", cpu)]
-    try:
-        flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
+    info = _cpuinfo()
+    if info is None:
         return tuple(fields)  # no /proc/cpuinfo (not Linux): LLVM's CPU name is all there is
+    flags = info["flags"].split()
     promised = [str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))]
     off = sorted(f for f in promised if f.startswith("avx512") and "avx512f" not in flags)
     if off:
@@ -46,6 +47,18 @@ def host_record() -> dict | None:
     count (the target's num-cores). Equal records give `host_cpu`'s fields equal; None without /proc/cpuinfo."""
     import hashlib
 
+    info = _cpuinfo()
+    if info is None:
+        return None
+    return {"cpu": " ".join(info.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
+            "flags_sha256": hashlib.sha256(" ".join(sorted(info["flags"].split())).encode()).hexdigest(),
+            "cores": os.cpu_count() or 1}
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str] | None:
+    """The vendor, family, model and flags of the first processor /proc/cpuinfo lists (read once); None where there
+    is no /proc/cpuinfo or it gives no flags."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -60,11 +73,7 @@ def host_record() -> dict | None:
                     fields[key] = value.strip()
     except OSError:
         return None
-    if "flags" not in fields:
-        return None
-    return {"cpu": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
-            "flags_sha256": hashlib.sha256(" ".join(sorted(fields["flags"].split())).encode()).hexdigest(),
-            "cores": os.cpu_count() or 1}
+    return fields if "flags" in fields else None
 
 
 @dataclass(frozen=True)

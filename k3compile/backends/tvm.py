@@ -32,7 +32,6 @@ from k3compile import library
 from k3compile.config import K3Config
 from k3compile.interface import (
     ExportError,
-    GraphInterface,
     Past,
     check_step,
     init_past,
@@ -119,7 +118,7 @@ class TvmBackend:
 
     def _vm_for(self, input_ids):
         """The decode library for a batch-1 decode step, when the artifact has one; else main's."""
-        return self._decode_vm if self._decode_vm is not None and tuple(input_ids.shape) == (1, 1) else self._vm
+        return library.vm_for(self._vm, self._decode_vm, input_ids.shape)
 
     def _has(self, name: str) -> bool:
         """Whether the library (and the decode library, when there is one) has function `name`."""
@@ -133,14 +132,9 @@ class TvmBackend:
         self.mod, self.executable, _, self._params = build(folder, target)
 
     def _load_artifact(self, folder: Path) -> None:
-        from k3compile.config import read_config
-        from k3compile.manifest import LIBRARY, WEIGHTS, read_manifest
         from k3compile.targets import TARGETS, resolve
 
-        self.manifest = read_manifest(folder)
-        self.config = read_config(folder / "config.json")
-        if self.manifest.get("interface") != GraphInterface.of(self.config).as_record():
-            raise ExportError(f"{folder}: config.json does not give the interface its manifest records")
+        self.manifest, self.config = library.open_artifact(folder)
         self.name = f"tvm-{self.manifest['target']}"
         if self.manifest["target"] in TARGETS and resolve(self.manifest["target"]).gpu:
             raise ExportError(f"{folder}: compiled for {self.manifest['target']}, which TVM's VM does not run (no "
@@ -150,12 +144,8 @@ class TvmBackend:
         if self.manifest.get("tvm_target") != here:
             raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
                               f"({here}); compile it again here")
-        names = self.manifest["params"]
-        self.executable = library.load(folder / LIBRARY, names, folder / WEIGHTS)
-        self._params = library.read_weights(folder / WEIGHTS, names, self.device)
-        tuning = self.manifest.get("tuning")
-        if tuning:  # the decode library: decode at batch 1, static shapes (k3compile/tune.py), on the same weights
-            self._decode_executable = library.load(folder / tuning["library"], names, folder / WEIGHTS)
+        self.executable, self._decode_executable, self._params = library.load_artifact(folder, self.manifest,
+                                                                                        self.device)
 
     def _input(self, x: np.ndarray):
         """A TVM tensor of `x`: shared when it is already aligned as TVM needs (a `present` the VM wrote and that

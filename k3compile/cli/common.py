@@ -160,7 +160,7 @@ def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return [int(t) for t in parts]
 
 
-SEED = IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+SEED = IntRange(0, 2**64 - 1)  # a 64-bit seed (decoding.Sampler's PCG64 takes any; torch's weight draws this)
 THREADS_HELP = ("CPU threads for torch, onnxruntime and TVM, at most the cores this process may use [default: 1 below "
                 "hidden size 512, else every core].")
 

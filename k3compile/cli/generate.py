@@ -93,7 +93,7 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
         from k3compile.lean import LeanArtifact, eligible
         from k3compile.presets import load_config
 
-        lean = eligible(source, backend, temperature, cache_block, device, wire)  # no torch in this process
+        lean = eligible(source, backend, cache_block, device, wire)  # no torch in this process
         # before TVM's pool or a compile starts
         use_threads(threads or default_threads(load_config(source)), with_torch=not lean)
     if lean:
@@ -102,7 +102,8 @@ def command(ctx, source, prompt_ids, texts, chat, messages_file, max_new_tokens,
                 engine = LeanArtifact(source)
             bar, cb = progress("generating", quiet)
             with bar or nullcontext():
-                result = engine.generate(prompts, max_new_tokens, eos_token_id=engine.config.eos_token_id,
+                result = engine.generate(prompts, max_new_tokens, temperature, top_p, seed,
+                                         eos_token_id=engine.config.eos_token_id,
                                          prefill_chunk=prefill_chunk, progress=cb)
         cache = None
     else:

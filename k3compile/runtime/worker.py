@@ -419,6 +419,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
     import torch
     import torch.distributed as dist
 
+    from k3compile.decoding import Sampler
     from k3compile.generate import check_request, decode_loop, pick_next
     from k3compile.interface import init_past
     from k3compile.ops.collectives import set_collective
@@ -455,8 +456,8 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         prompts = options.prompts[first:end]
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         past = [t for state in init_past(me.state_cfg, padded)[slice(*p.layers)] for t in state]
-        gen = torch.Generator().manual_seed(options.seed)
-        greedy = options.temperature <= 0  # pick_next's argmax: with tp > 1 a distributed one (Rank.step)
+        sampler = Sampler(options.temperature, options.top_p, options.seed)
+        greedy = sampler.greedy  # pick_next's argmax: with tp > 1 a distributed one (Rank.step)
 
         def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
             nonlocal past                     # tokens come back from the last stage (Rank.step)
@@ -465,7 +466,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
             def pick(logits):
                 if not bool(torch.isfinite(logits).all()):
                     raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
-                return pick_next(logits, options.temperature, options.top_p, gen)
+                return pick_next(logits, sampler)
 
             def pick_across(pieces):  # greedy with tp > 1: the tp ranks' argmax rows (sharding/tensor.py)
                 tokens, finite = join_argmax(pieces)

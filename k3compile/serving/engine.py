@@ -8,9 +8,10 @@ prompts waiting together (one chunk each, shorter than a cache block: nothing to
 one left-padded step instead and join together (docs/architecture.md, "Serving"). A row
 joins the batch when its prefill ends (state.join_rows: left padding), and leaves it when it finishes or its client
 goes (state.take_rows), between steps; its tokens are picked with its own sampling settings and its own seeded
-generator (generate.pick_next), so a request's tokens do not depend on what else runs beside it beyond the float
-rounding of a batched matmul. Requests wait in a bounded queue (`QueueFull` when it is full); what can be refused is
-refused in `submit`, before any work. Events go to each request's `emit` from the engine thread.
+sampler (decoding.Sampler, the one every runtime uses), so a request's tokens do not depend on what else runs beside
+it beyond the float rounding of a batched matmul. Requests wait in a bounded queue (`QueueFull` when it is full);
+what can be refused is refused in `submit`, before any work. Events go to each request's `emit` from the engine
+thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3compile.decoding import Sampler
 from k3compile.errors import UserError
 from k3compile.generate import (
     GenerationError,
@@ -85,7 +87,7 @@ class Request:
         self.last_token_at: float | None = None
         self._text = ""  # the text of `tokens`, as far as sent
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
+        self.sampler = Sampler(sampling.temperature, sampling.top_p, seed)
 
     def cancel(self) -> None:
         """The client went: the engine drops the request at its next step (queued or running)."""
@@ -98,8 +100,8 @@ class _Row:
 
 
 def _pick(request: Request, last) -> int:
-    """The next token of `request`'s row from its last logits [1, V], with its own sampling and generator."""
-    return int(pick_next(last, request.sampling.temperature, request.sampling.top_p, request.generator)[0])
+    """The next token of `request`'s row from its last logits [1, V], with its own sampler."""
+    return int(pick_next(last, request.sampler)[0])
 
 
 class Engine:
@@ -143,7 +145,7 @@ class Engine:
             raise RequestError(f"temperature must be a finite number >= 0, got {sampling.temperature}", "temperature")
         if not 0.0 < sampling.top_p <= 1.0:
             raise RequestError(f"top_p must lie in (0, 1], got {sampling.top_p}", "top_p")
-        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:  # what torch.Generator takes
+        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:  # the seeds `generate --seed` takes
             raise RequestError(f"seed must lie in [0, 2^64), got {sampling.seed}", "seed")
 
     def submit(self, request: Request) -> None:

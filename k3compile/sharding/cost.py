@@ -83,14 +83,20 @@ def rank_weights(cfg: K3Config, sizes: Sizes, p: RankPlan, dtype_bytes: int) -> 
     packed bytes + E8M0 scales; float: dtype_bytes)."""
     share = (p.experts[1] - p.experts[0]) / cfg.num_experts if cfg.num_experts else 0.0
     rows = sizes.layers[p.layers[0]:p.layers[1]]
-    dense = (sum(r[0] + r[3] // p.tp for r in rows) + (sizes.embed // p.tp if p.first else 0)
-             + (sizes.head - sizes.lm_head + sizes.lm_head // p.tp if p.last else 0))
-    out = {"dense": dense * dtype_bytes}
+    out = {"dense": (dense_elements(sizes, p) + (sizes.embed // p.tp if p.first else 0)) * dtype_bytes}
     if cfg.expert_format == "mxfp4":
         out["experts_mxfp4"] = round(sum(r[2] for r in rows) * share)
     else:
         out["experts_float"] = round(sum(r[1] for r in rows) * share) * dtype_bytes
     return out
+
+
+def dense_elements(sizes: Sizes, p: RankPlan) -> int:
+    """The elements of the dense matrices rank `p` holds but the embedding's (its 1/tp share of what tensor
+    parallelism splits): its layers' attention, router, shared experts and norms, and on the last stage the head."""
+    rows = sizes.layers[p.layers[0]:p.layers[1]]
+    return sum(r[0] + r[3] // p.tp for r in rows) + (sizes.head - sizes.lm_head + sizes.lm_head // p.tp if p.last
+                                                      else 0)
 
 
 def rank_state(cfg: K3Config, p: RankPlan, batch: int, context: int, dtype_bytes: int) -> dict[str, int]:
@@ -213,7 +219,7 @@ def rank_flops(cfg: K3Config, sizes: Sizes, p: RankPlan, rows: int, routed_rows:
     KDA's state update and read, 8 · heads/tp · K · V a row and layer."""
     share = (p.experts[1] - p.experts[0]) / cfg.num_experts if cfg.num_experts else 0.0
     layers = sizes.layers[p.layers[0]:p.layers[1]]
-    dense = rank_weights(cfg, sizes, p, 1)["dense"] - (sizes.embed // p.tp if p.first else 0)
+    dense = dense_elements(sizes, p)  # the embedding is a lookup
     # a layer's routed-expert elements: float as counted, MXFP4 from its bytes (16 code bytes + 1 scale per 32)
     elements = sum(r[1] if cfg.expert_format != "mxfp4" else r[2] * 32 // 17 for r in layers)
     experts = 2 * routed_rows * cfg.num_experts_per_token * share * elements / cfg.num_experts if cfg.num_experts \
