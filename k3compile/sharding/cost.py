@@ -301,16 +301,35 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     stage, the stages one after the other, the replicas side by side. With `micro_batches` M (`run --micro-batches`,
     at pp > 1; at most a replica's rows) each stage runs M micro-batches of ceil(rows / M) rows, stage s on m while
     s + 1 runs m - 1 (Rank.step): the step is the stages' times for one micro-batch plus M - 1 times the slowest
-    stage's. A micro-batch reads its stage's dense weights again, so where those dominate (memory-bound decode) M > 1
-    predicts a slower step: the model has no compute, where micro-batches would pay. `stage_s`: each stage's time
-    for one micro-batch (the whole batch at M = 1)."""
+    stage's. A micro-batch reads its stage's dense weights again, so where those reads dominate (memory-bound
+    decode) M > 1 predicts a slower step; where compute does (rank_flops over Device.flops), micro-batches pay.
+    `stage_s`: each stage's time for one micro-batch (the whole batch at M = 1)."""
+    return _evaluate(cfg, sizes, mesh, batch, context, dtype, device_memory, device, [micro_batches], dispatch)[0]
+
+
+def fastest_micro_batches(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
+                          device_memory: int, device: Device = DEFAULT_DEVICE, dispatch: str = "all_reduce") -> dict:
+    """`plan --micro-batches auto`: evaluate's row for the micro-batch count M that predicts the fastest step, of 1,
+    the powers of two below a replica's rows and those rows (micro_parts' bound); the fewest of equal times. A mesh
+    with pp = 1 has only M = 1. The mesh is priced once; only the timing is computed per M."""
+    top = micro_parts(mesh, batch, batch)
+    counts = sorted({1, top, *(2 ** k for k in range(1, top.bit_length()) if 2 ** k < top)})
+    rows = _evaluate(cfg, sizes, mesh, batch, context, dtype, device_memory, device, counts, dispatch)
+    return min(rows, key=lambda row: row["predicted"]["step_s"])  # min keeps the first (fewest) of equal times
+
+
+def _evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str, device_memory: int,
+              device: Device, counts: list[int], dispatch: str) -> list[dict]:
+    """evaluate's row for each micro-batch count of `counts`: the memory and bytes once, the timing per count."""
     plan = make_plan(cfg, mesh, dispatch)
     w = DTYPE_BYTES[dtype]
-    parts = min(micro_parts(mesh, batch, micro_batches), plan.rank_rows(batch, 0)[2])  # all-to-all: a group's rows
+    group_rows = plan.rank_rows(batch, 0)[2]  # all-to-all: a group's rows
+    counts = [min(micro_parts(mesh, batch, m), group_rows) for m in counts]
     worst: dict | None = None
     total = dict.fromkeys(COLLECTIVES, 0)
     longest = None  # the longest context every rank holds at this batch: only the MLA cache grows per token
-    stages: dict[tuple[int, int], float] = {}  # (replica, stage) -> its slowest rank's predicted seconds a step
+    # per count, (replica, stage) -> its slowest rank's predicted seconds a step
+    stages: list[dict[tuple[int, int], float]] = [{} for _ in counts]
     for r, count in alike_ranks(plan, batch):
         p, b = plan.rank(r), plan.rank_rows(batch, r)[2]
         mem = {**rank_weights(cfg, sizes, p, w), **rank_state(cfg, p, b, context, w),
@@ -326,12 +345,13 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
         moved = step_bytes(cfg, plan, r, batch, w, tp_key=True)
         for k in total:
             total[k] += count * moved[k]
-        part = -(-b // parts)  # the largest micro-batch's rows; its collectives carry that share of the step's bytes
-        routed = part * (mesh.ep if plan.dispatch == "all_to_all" else 1)  # the rows whose picks reach this rank
-        seconds = max(rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth,
-                      rank_flops(cfg, sizes, p, part, routed, context) / device.flops) + link_seconds(
-            {k: v * part / b for k, v in moved.items()}, mesh, device)
-        stages[(p.replica, p.stage)] = max(stages.get((p.replica, p.stage), 0.0), seconds)
+        for parts, times in zip(counts, stages):
+            part = -(-b // parts)  # the largest micro-batch's rows; its collectives carry that share of the bytes
+            routed = part * (mesh.ep if plan.dispatch == "all_to_all" else 1)  # the rows whose picks reach this rank
+            seconds = max(rank_read_bytes(cfg, sizes, p, part, context, w) / device.bandwidth,
+                          rank_flops(cfg, sizes, p, part, routed, context) / device.flops) + link_seconds(
+                {k: v * part / b for k, v in moved.items()}, mesh, device)
+            times[(p.replica, p.stage)] = max(times.get((p.replica, p.stage), 0.0), seconds)
     a2a = {"latent": 0.0, "full_width": 0.0}
     if mesh.ep > 1 and dispatch == "all_reduce":  # the other dispatch on the same mesh, latent and hidden width
         other = make_plan(cfg, mesh, "all_to_all")
@@ -341,9 +361,12 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             full += count * step_bytes(cfg, other, r, batch, w, cfg.hidden_size)["all_to_all"]
         a2a = {"latent": latent / batch, "full_width": full / batch}
     assert worst is not None
-    times = [[stages[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in stages]
-    step = max(sum(t) + (parts - 1) * max(t) for t in times)  # one micro-batch through, then M - 1 at the slowest
-    return {"mesh": str(mesh), "dispatch": dispatch, "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp,
+    rows = []
+    for parts, times in zip(counts, stages):
+        per_stage = [[times[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in times]
+        step = max(sum(t) + (parts - 1) * max(t) for t in per_stage)  # one micro-batch through, then M - 1 at the
+        rows.append({                                                  # slowest stage
+            "mesh": str(mesh), "dispatch": dispatch, "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp,
             "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
             "fits": worst["total"] <= device_memory,
@@ -351,25 +374,11 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
             else cfg.max_position_embeddings,
             "bytes_per_token": {k: v / batch for k, v in total.items()}, "all_to_all_per_token": a2a,
             "predicted": {"step_s": step, "tokens_per_s": batch / step,
-                          "stage_s": [max(stages[(d, st)] for d in range(mesh.dp) if (d, st) in stages)
+                          "stage_s": [max(times[(d, st)] for d in range(mesh.dp) if (d, st) in times)
                                       for st in range(mesh.pp)], "micro_batches": parts,
                           "device_bandwidth": device.bandwidth, "link_bandwidth": device.link,
-                          "device_flops": device.flops}}
-
-
-def fastest_micro_batches(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, dtype: str,
-                          device_memory: int, device: Device = DEFAULT_DEVICE, dispatch: str = "all_reduce") -> dict:
-    """`plan --micro-batches auto`: evaluate's row for the micro-batch count M that predicts the fastest step, of 1,
-    the powers of two below a replica's rows and those rows (micro_parts' bound); the fewest of equal times. A mesh
-    with pp = 1 has only M = 1."""
-    best = None
-    top = micro_parts(mesh, batch, batch)
-    for m in sorted({1, top, *(2 ** k for k in range(1, top.bit_length()) if 2 ** k < top)}):
-        row = evaluate(cfg, sizes, mesh, batch, context, dtype, device_memory, device, m, dispatch)
-        if best is None or row["predicted"]["step_s"] < best["predicted"]["step_s"]:
-            best = row
-    assert best is not None
-    return best
+                          "device_flops": device.flops}})
+    return rows
 
 
 def micro_parts(mesh: Mesh, batch: int, micro_batches: int) -> int:
