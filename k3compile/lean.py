@@ -46,31 +46,68 @@ NAME = "tvm-llvm"  # the backend name generate reports: the same library TvmBack
 
 def eligible(source, backend: str = "auto", cache_block: int | None = None, device: int | None = None,
              wire: str = "fp32") -> bool:
-    """Whether `generate` with these options runs SOURCE here: an llvm artifact compiled on a machine whose
-    host_record equals this one's, whose library has main_inplace_last (its manifest's entry_points: a model with
-    MLA caches in the form passes/inplace_caches.py takes), no prefix cache, no device, no wire format."""
+    """Whether `generate` with these options runs SOURCE here: an artifact TVM's runtime runs alone
+    (`runtime_suffices`) whose library has main_inplace_last (its manifest's entry_points: a model with MLA caches in
+    the form passes/inplace_caches.py takes), no prefix cache, no device, no wire format."""
+    from k3compile.manifest import loose_manifest
+
+    if backend not in ("auto", "tvm") or cache_block is not None or device is not None or wire != "fp32" \
+            or not runtime_suffices(source):
+        return False
+    entry_points = loose_manifest(source).get("entry_points")
+    return isinstance(entry_points, list) and LAST_FUNC in entry_points
+
+
+def runtime_suffices(source) -> bool:
+    """Whether TVM's runtime library alone runs SOURCE on this machine: an llvm artifact whose manifest records a
+    `host` equal to this machine's targets.host_record (check_host: TvmBackend's host check, made without LLVM)."""
     from k3compile.manifest import KIND, MANIFEST, loose_manifest
     from k3compile.targets import host_record
 
-    if backend not in ("auto", "tvm") or cache_block is not None or device is not None or wire != "fp32" \
-            or not (Path(source) / MANIFEST).is_file():
+    if not (Path(source) / MANIFEST).is_file():
         return False
     doc = loose_manifest(source)
     here = host_record()
-    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here \
-        and isinstance(doc.get("entry_points"), list) and LAST_FUNC in doc["entry_points"]
+    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here
 
 
-def import_tvm():
-    """TVM, as its runtime library only (TVM_USE_RUNTIME_LIB) and without torch, when neither tvm nor torch is
-    imported yet (a fresh `generate` process); else the tvm already there. tvm_ffi imports torch for its DLPack
-    exchange whenever torch is installed; nothing here exchanges tensors with torch, so its import is made to fail
-    (a None entry in sys.modules) for that moment only."""
-    if "tvm" not in sys.modules and sys.modules.get("torch") is None:  # a None entry: torch blocked already
+def runtime_library_for(source, backend: str = "auto") -> bool:
+    """For a verb whose process only runs SOURCE and never compiles (serve; generate's torch runtime): load TVM's
+    runtime library alone, beside torch, when TvmBackend will run an artifact runtime_suffices runs (~100 MB less
+    resident than with the compiler library). Whether this process's tvm is now the runtime library alone."""
+    if backend in ("auto", "tvm") and runtime_suffices(source):
+        import_tvm(beside_torch=True)
+        from k3compile.library import runtime_only
+
+        return runtime_only()
+    return False
+
+
+def check_host(folder: Path, manifest: dict) -> None:
+    """An llvm artifact's recorded `host` must be this machine's (targets.host_record; equal records give equal
+    tvm_target fields); one line otherwise."""
+    from k3compile.targets import host_record
+
+    here = host_record()
+    if manifest["target"] != "llvm" or here is None or manifest.get("host") != here:
+        raise ExportError(f"{folder}: compiled for {manifest.get('tvm_target')}, not for this machine; compile it "
+                          "again here")
+
+
+def import_tvm(beside_torch: bool = False):
+    """TVM as its runtime library only (TVM_USE_RUNTIME_LIB), when tvm is not imported yet: without torch when
+    torch is not imported either (a fresh `generate` process), or beside torch (`beside_torch`: serve and generate's
+    torch runtime on an artifact runtime_suffices runs, which never compile). Else the tvm already there, or the
+    whole of it. tvm_ffi imports torch for its DLPack exchange whenever torch is installed; where nothing exchanges
+    tensors with torch, its import is made to fail (a None entry in sys.modules) for that moment only."""
+    if "tvm" not in sys.modules and (beside_torch or sys.modules.get("torch") is None):  # None: torch blocked
+        if beside_torch:
+            import torch  # noqa: F401  (first: tvm_ffi's torch bridge is what TvmBackend exchanges tensors through)
         before = os.environ.get("TVM_USE_RUNTIME_LIB")
         os.environ["TVM_USE_RUNTIME_LIB"] = "1"  # read once, as tvm loads; not left to the processes it starts
-        blocked = "torch" in sys.modules
-        sys.modules["torch"] = None  # type: ignore[assignment]
+        block = "torch" not in sys.modules  # a None entry (blocked already) is in sys.modules too
+        if block:
+            sys.modules["torch"] = None  # type: ignore[assignment]
         try:
             import tvm
             from tvm import base, libinfo
@@ -81,7 +118,7 @@ def import_tvm():
                 base._LOADED_LIBS["tvm_runtime_extra"] = base.load_lib_ctypes(
                     "tvm", "tvm_runtime_extra", "RTLD_GLOBAL", extra_lib_paths=libinfo.package_lib_paths())
         finally:
-            if not blocked:
+            if block:
                 del sys.modules["torch"]
             if before is None:
                 os.environ.pop("TVM_USE_RUNTIME_LIB", None)
@@ -99,7 +136,6 @@ class LeanArtifact:
     def __init__(self, folder: str | Path) -> None:
         from k3compile import library
         from k3compile.manifest import LIBRARY
-        from k3compile.targets import host_record
 
         tvm = import_tvm()
         from tvm.runtime.vm import VirtualMachine
@@ -107,10 +143,7 @@ class LeanArtifact:
         folder = Path(folder)
         t0 = time.perf_counter()
         self.manifest, self.config = library.open_artifact(folder)
-        here = host_record()
-        if self.manifest["target"] != "llvm" or here is None or self.manifest.get("host") != here:
-            raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine; "
-                              "compile it again here")
+        check_host(folder, self.manifest)
         self.name = NAME
         self.device = tvm.cpu()
         executable, decode, self._params = library.load_artifact(folder, self.manifest, self.device)

@@ -260,6 +260,13 @@ def release_pool() -> None:
     tvm.get_global_func("vm.builtin.memory_manager.clear")()
 
 
+def runtime_only() -> bool:
+    """Whether this process's tvm is TVM's runtime library alone (lean.import_tvm): no compiler, no LLVM."""
+    from tvm import base
+
+    return bool(getattr(base, "_RUNTIME_ONLY", False))
+
+
 def has_function(vm, name: str) -> bool:
     """Whether the VM's library has function `name`."""
     try:

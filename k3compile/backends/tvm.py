@@ -88,7 +88,7 @@ class TvmBackend:
 
     def __init__(self, folder: str | Path, target="llvm") -> None:
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
 
         from k3compile import host_gemm
         from k3compile.manifest import MANIFEST
@@ -96,7 +96,6 @@ class TvmBackend:
         from k3compile.targets import resolve
 
         folder = Path(folder)
-        target = resolve(target)  # a Target, or its name
         register_tvm_references()
         host_gemm.register()  # the packed function a CPU kernel calls for prefill rows (k3compile/host_gemm.py)
         self.device = tvm.cpu()
@@ -106,11 +105,11 @@ class TvmBackend:
         if (folder / MANIFEST).is_file():
             self._load_artifact(folder)
         else:
-            self._compile_export(folder, target)
+            self._compile_export(folder, resolve(target))  # a Target, or its name
         self.compile_s = time.perf_counter() - t0
-        self._vm = relax.VirtualMachine(self.executable, self.device)
-        self._decode_vm = None if self._decode_executable is None else relax.VirtualMachine(self._decode_executable,
-                                                                                             self.device)
+        self._vm = VirtualMachine(self.executable, self.device)
+        self._decode_vm = None if self._decode_executable is None else VirtualMachine(self._decode_executable,
+                                                                                      self.device)
         self._caches: list[_InPlaceCaches] = []  # MLA caches kept in place (main_inplace), most recent last
         self._returned: list[dict] = []  # the states steps returned: id(torch tensor) -> (it, the TVM tensor it views)
         self.inplace = self._has(INPLACE_FUNC)
@@ -136,14 +135,20 @@ class TvmBackend:
 
         self.manifest, self.config = library.open_artifact(folder)
         self.name = f"tvm-{self.manifest['target']}"
-        if self.manifest["target"] in TARGETS and resolve(self.manifest["target"]).gpu:
-            raise ExportError(f"{folder}: compiled for {self.manifest['target']}, which TVM's VM does not run (no "
+        target = self.manifest["target"]
+        if target != "llvm" and (library.runtime_only() or target in TARGETS and resolve(target).gpu):
+            raise ExportError(f"{folder}: compiled for {target}, which TVM's VM does not run (no "
                               f"device runtime in this TVM); `k3compile generate {folder}` runs it on its device's "
                               "executor (backends/executor.py)")
-        here = resolve(self.manifest["target"]).describe()
-        if self.manifest.get("tvm_target") != here:
-            raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
-                              f"({here}); compile it again here")
+        if library.runtime_only():  # TVM's runtime library alone (lean.import_tvm): the host check without LLVM
+            from k3compile.lean import check_host
+
+            check_host(folder, self.manifest)
+        else:
+            here = resolve(target).describe()
+            if self.manifest.get("tvm_target") != here:
+                raise ExportError(f"{folder}: compiled for {self.manifest.get('tvm_target')}, not for this machine "
+                                  f"({here}); compile it again here")
         self.executable, self._decode_executable, self._params = library.load_artifact(folder, self.manifest,
                                                                                         self.device)
 

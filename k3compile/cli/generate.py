@@ -138,9 +138,11 @@ def _generate(source, prompts, max_new_tokens, backend, device, temperature, top
     """The torch path: SOURCE on the backend open_backend picks, through generate.generate. -> (engine, result,
     prefix cache or None)."""
     from k3compile.generate import generate as run
+    from k3compile.lean import runtime_library_for
 
     with user_errors():
         with status(f"loading {source}", quiet) as step:
+            runtime_library_for(source, backend)  # this process never compiles
             engine = open_backend(source, backend, seed=weight_seed, experts=experts, threads=threads, device=device,
                                   progress=step, wire=wire)
         try:

@@ -85,6 +85,9 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
         cfg = load_config(source)
         use_threads(threads or default_threads(cfg))
         with status(f"loading {source}", quiet) as step:
+            from k3compile.lean import runtime_library_for
+
+            runtime_library_for(source, backend)  # this process never compiles
             engine_backend = stuck_safe(lambda: open_backend(
                 source, backend, seed=weight_seed, experts=experts, threads=threads, device=device, progress=step,
                 timeout=timeout, wire=wire, rendezvous=rdzv if nnodes > 1 else None, start_timeout=start_timeout))

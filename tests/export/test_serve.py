@@ -54,6 +54,15 @@ def _ids(choice) -> list[int]:
     return list(choice.model_extra["token_ids"])
 
 
+def test_the_server_loads_tvm_s_runtime_library_not_its_compiler(server):
+    """serve never compiles: on an artifact compiled for this machine its process maps TVM's runtime library, not the
+    compiler library (libtvm_compiler.so, LLVM inside; lean.runtime_library_for). The tokens it serves so are the
+    next test's."""
+    proc, _, _ = server
+    maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    assert "libtvm_runtime.so" in maps and "libtvm_compiler.so" not in maps
+
+
 def test_openai_client_gets_what_generate_gives(server):
     _, url, out = server
     client = _client(url)

@@ -419,6 +419,24 @@ def test_sampling_without_torch_draws_the_tokens_of_every_runtime(tiny_export, t
     assert doc["tokens"] != greedy  # the draws are not the argmax's
 
 
+def test_generate_through_torch_on_an_artifact_loads_no_compiler(tiny_export, tvm_artifact):
+    """generate's torch runtime (here for --cache-block, which the torch-free path does not take) on an artifact
+    compiled for this machine loads TVM's runtime library beside torch, never the compiler library
+    (lean.runtime_library_for): eager's tokens, and libtvm_compiler.so not mapped in its process."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom k3compile.cli import main\ntry:\n    main(sys.argv[1:], prog_name='k3compile', "
+              "standalone_mode=False)\nfinally:\n    maps = open('/proc/self/maps').read()\n"
+              "    print('compiler' if 'libtvm_compiler.so' in maps else 'runtime', file=sys.stderr)\n")
+    ids = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    r = subprocess.run([sys.executable, "-c", script, "generate", str(tvm_artifact[1]), *ids, "--max-new-tokens", "8",
+                        "--cache-block", "4", "--json", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr.strip().splitlines()[-1] == "runtime", r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert "runtime" not in doc and doc["tokens"] == generate(EagerBackend(tiny_export[0]), PROMPTS, 8).tokens
+
+
 def test_the_torch_free_load_probe_loads_neither_torch_nor_the_compiler(tvm_artifact):
     """bench's memory probe of a CPU artifact runs as `generate` does: no torch, TVM's runtime library only."""
     from k3compile.bench import _probe_in_subprocess
