@@ -9,7 +9,8 @@ library, its VM and the weights are all the runtime's.
 `k3compile generate` takes this path (cli/generate.py asks `eligible`) for an llvm artifact whose manifest records
 this machine as its `host` (targets.host_record: the check TvmBackend makes with LLVM's CPU name, made without the
 compiler), with no prefix cache. Everything else (`--cache-block`, an older artifact, serve, verify, bench's
-throughput rows) runs TvmBackend (backends/tvm.py). Both call the same functions of the same library on the same
+throughput rows) runs TvmBackend (backends/tvm.py); serve's and generate's processes on such an artifact load TVM's
+runtime library alone beside torch (runtime_library_for). Both call the same functions of the same library on the same
 weights, main_inplace_last and decode.so's for a batch-1 step, the same decode loop (decoding.decode_loop) and the
 same sampler (decoding.Sampler), so they give the same tokens, sampled ones too; a test compares this path with eager
 in a process where importing torch fails.
