@@ -90,7 +90,7 @@ def check_host(folder: Path, manifest: dict) -> None:
     from k3compile.targets import host_record
 
     here = host_record()
-    if manifest["target"] != "llvm" or here is None or manifest.get("host") != here:
+    if manifest.get("target") != "llvm" or here is None or manifest.get("host") != here:
         raise ExportError(f"{folder}: compiled for {manifest.get('tvm_target')}, not for this machine; compile it "
                           "again here")
 

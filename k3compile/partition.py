@@ -361,7 +361,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
     from k3compile.frontend import to_relax
     from k3compile.ops import register_tvm_references
     from k3compile.source import record
-    from k3compile.targets import resolve
+    from k3compile.targets import host_record, resolve
 
     step = progress or (lambda msg: None)
     tgt = resolve(target)  # a Target, or its name
@@ -444,6 +444,7 @@ def export_sharded(source: str, out: str | Path, mesh: Mesh, target="llvm", seed
             "activations": activations, "expert_format": cfg.expert_format, "opset": opset,
             "dense_weights": dense_format(next(iter(builds.values()))[3]),
             "plan": plan.as_record(), "ranks": ranks, "builds": len(builds),
+            **({"host": cpu} if not tgt.gpu and (cpu := host_record()) else {}),  # each CPU rank's host check
             **({"tokenizer": tokenizer} if tokenizer else {}),
             "build_s": round(time.perf_counter() - t0, 3), "files": files,
         }

@@ -126,14 +126,18 @@ class Rank:
             self.program = DeviceProgram(folder / self.entry["launch_plan"], folder / self.entry["constants"],
                                          weights, names, self.doc["target"], externs=host_functions())
             return
-        import tvm
-        from tvm import relax
-
         from k3compile import library
+        from k3compile.lean import check_host, import_tvm
         from k3compile.ops import register_tvm_references
 
+        if "host" in self.doc:  # recorded since the torch-free decode: checked without LLVM (lean.check_host), and a
+            check_host(folder, self.doc)  # rank never compiles, so it loads TVM's runtime library alone
+            import_tvm(beside_torch=True)
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
         register_tvm_references()  # the collectives' symbols, which the rank's graph calls
-        self.vm = relax.VirtualMachine(library.load(folder / self.entry["library"], names, weights), tvm.cpu())
+        self.vm = VirtualMachine(library.load(folder / self.entry["library"], names, weights), tvm.cpu())
         self.params = library.read_weights(weights, names, tvm.cpu())
 
     def run_graph(self, feeds: list, head: int) -> list:

@@ -573,6 +573,8 @@ def test_sigterm_ends_a_run_with_143_and_no_worker_left(sharded):
         assert proc.poll() is None
     workers = psutil.Process(proc.pid).children(recursive=True)
     assert len(workers) == 2
+    # a rank never compiles: with its host recorded it maps TVM's runtime library, not the compiler (LLVM inside)
+    assert all("libtvm_compiler.so" not in Path(f"/proc/{w.pid}/maps").read_text() for w in workers)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143
@@ -962,6 +964,18 @@ def test_verify_compares_a_sharded_artifact_with_eager_and_fails_past_tolerance(
     assert 0 < worst <= 1e-4  # fp32 kernels in another order than torch's: equal within the default tolerance
     rc, doc, err = _verify_json(folder, "--tolerance", repr(worst / 2))
     assert rc == 1 and doc["ok"] is False and "past tolerance" in err and "Traceback" not in err
+
+
+def test_a_rank_built_for_another_host_is_refused_with_one_line(sharded, tmp_path):
+    """A CPU OUT records its host (targets.host_record); a rank on another machine (here: the record's core count
+    changed) refuses to load its library, and the run ends with one line naming it, as a single artifact does."""
+    folder = _copy(sharded[("k3-tiny", "ep=2", "all-reduce")], tmp_path)
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["host"] = {**doc["host"], "cores": doc["host"]["cores"] + 1}
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    res = cli("run", str(folder), "--max-new-tokens", "2", timeout=120)
+    assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "Traceback" not in res.stderr
+    assert "not for this machine" in res.stderr
 
 
 def test_verify_refuses_a_tampered_rank_file_with_one_line(sharded, tmp_path):
