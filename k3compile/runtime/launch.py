@@ -216,8 +216,10 @@ def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:
 
 def exit_code(p: subprocess.Popen) -> int | None:
     """p's exit status as Popen gives it (minus the signal that killed it), or None while it runs. Asked of waitid
-    without reaping p, so no lock is taken: Popen.poll takes a lock of p's, and SIGTERM or Ctrl-C raising just after
-    it is taken (CPython 3.11) leaves it held, and stop_all's wait then blocks for ever. stop_all reaps."""
+    without reaping p, so no lock is taken while p runs: Popen.poll takes a lock of p's, and SIGTERM or Ctrl-C raising
+    just after it is taken (CPython 3.11) leaves it held, after which every wait on p blocks for ever. Once p has
+    exited it is reaped by one poll, which cannot block (a lock left held makes it a no-op, the status still known
+    here), so no zombie outlives the failure it caused (a server's dead rank, backends/sharded.py)."""
     if p.returncode is not None:
         return p.returncode
     try:
@@ -226,7 +228,9 @@ def exit_code(p: subprocess.Popen) -> int | None:
         return p.poll()
     if info is None:
         return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    p.poll()  # reaps: Popen records the same status
+    return code
 
 
 def failure_line(failed: dict[int, int], run_dir: Path) -> str:
