@@ -50,47 +50,52 @@ def eligible(source, backend: str = "auto", cache_block: int | None = None, devi
     """Whether `generate` with these options runs SOURCE here: an artifact TVM's runtime runs alone
     (`runtime_suffices`) whose library has main_inplace_last (its manifest's entry_points: a model with MLA caches in
     the form passes/inplace_caches.py takes), no prefix cache, no device, no wire format."""
-    from k3compile.manifest import loose_manifest
-
-    if backend not in ("auto", "tvm") or cache_block is not None or device is not None or wire != "fp32" \
-            or not runtime_suffices(source):
+    if backend not in ("auto", "tvm") or cache_block is not None or device is not None or wire != "fp32":
         return False
-    entry_points = loose_manifest(source).get("entry_points")
-    return isinstance(entry_points, list) and LAST_FUNC in entry_points
+    doc = _manifest_of(source)
+    entry_points = doc.get("entry_points")
+    return _runs_here(doc) and isinstance(entry_points, list) and LAST_FUNC in entry_points
 
 
 def runtime_suffices(source) -> bool:
     """Whether TVM's runtime library alone runs SOURCE on this machine: an llvm artifact whose manifest records a
     `host` equal to this machine's targets.host_record (check_host: TvmBackend's host check, made without LLVM)."""
-    from k3compile.manifest import KIND, MANIFEST, loose_manifest
+    return _runs_here(_manifest_of(source))
+
+
+def _manifest_of(source) -> dict:
+    """SOURCE's manifest, unchecked (manifest.loose_manifest); {} where SOURCE has none."""
+    from k3compile.manifest import MANIFEST, loose_manifest
+
+    return loose_manifest(source) if (Path(source) / MANIFEST).is_file() else {}
+
+
+def _runs_here(manifest: dict) -> bool:
+    """A single llvm artifact whose recorded host is this machine's (targets.host_record)."""
+    from k3compile.manifest import KIND
+
+    return manifest.get("kind") == KIND and _host_is_here(manifest)
+
+
+def _host_is_here(manifest: dict) -> bool:
     from k3compile.targets import host_record
 
-    if not (Path(source) / MANIFEST).is_file():
-        return False
-    doc = loose_manifest(source)
     here = host_record()
-    return doc.get("kind") == KIND and doc.get("target") == "llvm" and here is not None and doc.get("host") == here
+    return manifest.get("target") == "llvm" and here is not None and manifest.get("host") == here
 
 
-def runtime_library_for(source, backend: str = "auto") -> bool:
+def runtime_library_for(source, backend: str = "auto") -> None:
     """For a verb whose process only runs SOURCE and never compiles (serve; generate's torch runtime): load TVM's
     runtime library alone, beside torch, when TvmBackend will run an artifact runtime_suffices runs (~100 MB less
-    resident than with the compiler library). Whether this process's tvm is now the runtime library alone."""
+    resident than with the compiler library)."""
     if backend in ("auto", "tvm") and runtime_suffices(source):
         import_tvm(beside_torch=True)
-        from k3compile.library import runtime_only
-
-        return runtime_only()
-    return False
 
 
 def check_host(folder: Path, manifest: dict) -> None:
-    """An llvm artifact's recorded `host` must be this machine's (targets.host_record; equal records give equal
-    tvm_target fields); one line otherwise."""
-    from k3compile.targets import host_record
-
-    here = host_record()
-    if manifest.get("target") != "llvm" or here is None or manifest.get("host") != here:
+    """An llvm artifact's (or a sharded CPU OUT's) recorded `host` must be this machine's (targets.host_record; equal
+    records give equal tvm_target fields); one line otherwise."""
+    if not _host_is_here(manifest):
         raise ExportError(f"{folder}: compiled for {manifest.get('tvm_target')}, not for this machine; compile it "
                           "again here")
 

@@ -135,12 +135,12 @@ class TvmBackend:
 
         self.manifest, self.config = library.open_artifact(folder)
         self.name = f"tvm-{self.manifest['target']}"
-        target = self.manifest["target"]
-        if target != "llvm" and (library.runtime_only() or target in TARGETS and resolve(target).gpu):
+        target, runtime_only = self.manifest["target"], library.runtime_only()
+        if target != "llvm" and (runtime_only or target in TARGETS and resolve(target).gpu):
             raise ExportError(f"{folder}: compiled for {target}, which TVM's VM does not run (no "
                               f"device runtime in this TVM); `k3compile generate {folder}` runs it on its device's "
                               "executor (backends/executor.py)")
-        if library.runtime_only():  # TVM's runtime library alone (lean.import_tvm): the host check without LLVM
+        if runtime_only:  # TVM's runtime library alone (lean.import_tvm): the host check without LLVM
             from k3compile.lean import check_host
 
             check_host(folder, self.manifest)

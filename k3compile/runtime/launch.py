@@ -258,9 +258,9 @@ def failure_line(failed: dict[int, int], run_dir: Path) -> str:
 
 
 def stop_all(procs: dict[int, subprocess.Popen]) -> None:
-    """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all.
-    It waits with exit_code, never on Popen's lock, so a lock left held cannot hang it: the run ends, at worst
-    leaving a zombie to this process's exit."""
+    """SIGTERM every worker still running, SIGKILL what is left after SHUTDOWN_S (a stopped process too), reap all
+    (exit_code reaps each as it sees it exit). It waits with exit_code, never on Popen's lock, so a lock left held
+    cannot hang it: the run ends, at worst leaving a zombie to this process's exit."""
     alive = [p for p in procs.values() if exit_code(p) is None]
     for p in alive:
         _signal(p, signal.SIGTERM)
@@ -270,8 +270,6 @@ def stop_all(procs: dict[int, subprocess.Popen]) -> None:
     for p in alive:
         _signal(p, signal.SIGKILL)
     _wait_exit(alive, SHUTDOWN_S)  # SIGKILL ends them at once but for one in an uninterruptible wait
-    for p in procs.values():
-        p.poll()  # reaps (a no-op where a lock left held by a signal in poll forbids it)
 
 
 def _wait_exit(procs: list[subprocess.Popen], seconds: float) -> None:
