@@ -47,12 +47,13 @@ from k3compile.threads import glue_threads
 # opencl: SOURCE compiled for opencl, on the OpenCL executor (backends/executor.py); opencl-kernels: the same
 # artifact kernel by kernel through host memory (backends/device.py, what `verify --kernels` runs): the runner the
 # executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
-BACKENDS = ("eager", "onnx", "tvm", "tvm-mxfp8", "opencl", "opencl-kernels", "webgpu")
+BACKENDS = ("eager", "onnx", "tvm", "tvm-mxfp8", "tvm-bf16", "opencl", "opencl-kernels", "webgpu")
 TVM_MXFP8 = "tvm-mxfp8"  # TVM with the dense matrices exported as MXFP8 (compile's --dense-weights mxfp8)
+TVM_BF16 = "tvm-bf16"  # TVM with bf16 prefill matmuls (compile's --matmul-precision bf16)
 LLAMA = "llama.cpp"  # the peer's rows (k3compile/llama_bench.py), with --llama-bench and --gguf
 PAST_CHUNK = 1024  # tokens per prefill step when building a long past (a step's scores: heads x chunk x past)
 # the backends --decode-past measures (eager and onnxruntime take minutes per past)
-PAST_BACKENDS = ("tvm", TVM_MXFP8, LLAMA)
+PAST_BACKENDS = ("tvm", TVM_MXFP8, TVM_BF16, LLAMA)
 DEVICE_BACKENDS = ("opencl", "opencl-kernels", "webgpu")  # the backends that run a GPU artifact: target by name
 PROMPT = 16
 WARMUP_STEPS = 2  # decode steps before the measured ones
@@ -220,7 +221,7 @@ def _probe_in_subprocess(kind: str, folder: str, threads: int) -> dict:
     as generate runs it, by lean_probe."""
     from k3compile.lean import eligible
 
-    if kind in ("tvm", TVM_MXFP8) and eligible(folder):
+    if kind in ("tvm", TVM_MXFP8, TVM_BF16) and eligible(folder):
         code = ("import json; from k3compile.bench import lean_probe; "
                 f"print(json.dumps(lean_probe({folder!r}, {threads})))")
     else:
@@ -489,6 +490,8 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     folders = {name: source if name == "eager" else str(artifact) if name == "tvm"
                else str(cached_artifact(source, target=target, progress=step, dense_weights="mxfp8"))
                if name == TVM_MXFP8
+               else str(cached_artifact(source, target=target, progress=step, matmul_precision="bf16"))
+               if name == TVM_BF16
                else str(cached_artifact(source, target=name.split("-")[0], progress=step)) if name in DEVICE_BACKENDS
                else str(cached_export(source, progress=step)) for name in backends}
     config = read_config(artifact / "config.json")

@@ -148,10 +148,10 @@ def _dense_key(dense_weights: str) -> dict:
 
 def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "auto",
                     activations: str = "none", progress: Callable[[str], None] | None = None,
-                    dense_weights: str = "source") -> Path:
+                    dense_weights: str = "source", matmul_precision: str = "fp32") -> Path:
     """A compiled artifact of SOURCE for `target` (a k3compile.targets.Target, or its name) in the cache, exported
     and compiled on first use (its dense matrices as compile's auto stores them: MXFP8 for `dense_weights`
-    "mxfp8")."""
+    "mxfp8"; its prefill matmuls at `matmul_precision`, compile's --matmul-precision)."""
     from k3compile import source as sources
     from k3compile.compile import compile_export
     from k3compile.manifest import read_manifest
@@ -163,10 +163,11 @@ def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "a
     def build(folder: Path) -> None:
         export = cached_export(source, seed, weights, activations, progress, dense_weights)
         (progress or (lambda msg: None))(f"compiling {source} for {tgt.name} into the cache ({folder})")
-        compile_export(export, folder, target=tgt, progress=progress)
+        compile_export(export, folder, target=tgt, progress=progress, matmul_precision=matmul_precision)
 
+    precision = {} if matmul_precision == "fp32" else {"matmul_precision": matmul_precision}  # keys made before it
     return _cached("artifacts", entry_key("artifact", record, {"activations": activations, **_dense_key(dense_weights),
-                                                               "target": tgt.describe()}),
+                                                               **precision, "target": tgt.describe()}),
                    read_manifest, build, progress)
 
 

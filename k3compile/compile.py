@@ -45,13 +45,15 @@ if TYPE_CHECKING:
 
 def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overwrite: bool = False,
                    progress: Callable[[str], None] | None = None, dump_ir: str | Path | None = None,
-                   tune: int = 0, dense: str = "auto", decode_library: bool = True, host_gemm: bool = True) -> dict:
+                   tune: int = 0, dense: str = "auto", decode_library: bool = True, host_gemm: bool = True,
+                   matmul_precision: str = "fp32") -> dict:
     """Compile an export folder for `target` (a k3compile.targets.Target, or its name) into the artifact folder
     `out`; returns the manifest. On a CPU target the artifact also holds decode.so, the decode step at batch 1 built
     with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library and tuning"), unless
     `decode_library` is False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`:
     how the dense matrices are stored (`dense_target`). Without `host_gemm` no kernel calls k3compile's host GEMM
-    (Target.without_host_gemm): a plain TVM runtime runs the whole library."""
+    (Target.without_host_gemm): a plain TVM runtime runs the whole library. `matmul_precision` "bf16": prefill matmuls
+    round their activations to bf16 (Target.with_matmul_precision; refused when no matmul of the build can)."""
     import tempfile
 
     import onnx
@@ -66,6 +68,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
     tgt = resolve(target)
     if not host_gemm:
         tgt = tgt.without_host_gemm()
+    tgt = tgt.with_matmul_precision(matmul_precision)
     if tune < 0:
         raise ExportError(f"--tune takes a number of trials >= 0, got {tune}")
     if tune and tgt.gpu:
@@ -82,6 +85,10 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
         mod, executable, names, params = build(export_dir, tgt, progress=step, dump_ir=dump_ir,
                                                library_path=None if tgt.gpu else w.path / LIBRARY, dense=dense)
         tgt = tgt.with_dense(dense_format(mod))
+        bf16 = bf16_gemm_record(mod)
+        if tgt.matmul_precision == "bf16" and bf16 is None:
+            raise ExportError(f"--matmul-precision bf16 multiplies bf16 dense panels; this build stores its dense "
+                              f"matrices as {tgt.dense_format.value} (--dense-weights bf16, or auto on a bf16 model)")
         if tgt.gpu:
             write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
@@ -109,6 +116,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "dense_matrices": dense_matrices(mod),
             "expert_params": expert_weights(mod),
             **({"host_gemm": host} if (host := host_gemm_record(mod)) else {}),
+            **({"matmul_precision": bf16} if bf16 else {}),
             **({"tuning": tuning} if tuning else {}),
             "compile_s": round(time.perf_counter() - t0, 3),
             "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
@@ -178,12 +186,18 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
     """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
     extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
     TVM compiles anything, on every target."""
+    import tempfile
+
     import tvm
 
     from k3compile.frontend import to_relax
     from k3compile.passes import run_phases
+    from k3compile.targets.llvm import bf16_gemm_object
 
     step = progress or (lambda msg: None)
+    if tgt.matmul_precision != "fp32" and library_path is None:
+        raise ExportError(f"--matmul-precision {tgt.matmul_precision} links a C kernel into a library written to "
+                          "disk (compile); an in-process build cannot carry it")
     step("importing into TVM Relax")
     mod, raw_names, raw = to_relax(proto, keep_params=True)
     tgt = dense_target(tgt, raw_names, raw, dense)
@@ -215,7 +229,9 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
         executable = tvm.compile(library.with_signature(mod, names), target=tgt.tvm(),
                                  relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     if library_path is not None:
-        executable.export_library(str(library_path))
+        with tempfile.TemporaryDirectory() as objects:
+            addons = [bf16_gemm_object(objects)] if bf16_gemm_record(mod) else None  # the C kernel it calls
+            executable.export_library(str(library_path), addons=addons)
         executable = library.load(Path(library_path))
     step("putting the weights in the target's layout")
     return mod, executable, names, library.transform_weights(executable, raw)
@@ -317,6 +333,20 @@ def host_gemm_record(mod) -> dict | None:
     kernels = sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
                   and HOST_GEMM_ATTR in f.attrs)
     return {"function": HOST_GEMM, "min_rows": HOST_GEMM_ROWS, "kernels": kernels} if kernels else None
+
+
+def bf16_gemm_record(mod) -> dict | None:
+    """What a `--matmul-precision bf16` build's kernels call (targets/llvm.py, targets/bf16_gemm.c, linked into the
+    library): the precision, the C function, the row count from which they call it and how many kernels do; None
+    when none does."""
+    import tvm
+
+    from k3compile.targets.llvm import BF16_GEMM, BF16_GEMM_ATTR, HOST_GEMM_ROWS
+
+    kernels = sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+                  and BF16_GEMM_ATTR in f.attrs)
+    return {"precision": "bf16", "function": BF16_GEMM, "min_rows": HOST_GEMM_ROWS,
+            "kernels": kernels} if kernels else None
 
 
 def dense_format(mod) -> str:

@@ -87,6 +87,7 @@ class Target:
     limits: object = None           # a GPU's targets.gpu.Limits (None: the CPU)
     source: tuple = ()              # a GPU's (TVM module kind of its device code, file suffix), e.g. ("opencl", ".cl")
     dense_format: str = "fp32"      # how the dense panels are stored (modes.DenseFormat; compile.dense_target sets it)
+    matmul_precision: str = "fp32"  # "bf16": prefill matmuls round their activations to bf16 (with_matmul_precision)
 
     @property
     def gpu(self) -> bool:
@@ -144,8 +145,32 @@ class Target:
                               "GEMM")
         return replace(self, schedule_func=functools.partial(self.schedule_func, host_gemm=False))
 
+    def with_matmul_precision(self, precision: str) -> Target:
+        """This CPU target with its prefill matmuls at `precision` (`compile --matmul-precision`): "fp32" (exact),
+        or "bf16": from HOST_GEMM_ROWS rows on a matmul over bf16 panels rounds its activations to bf16 and runs
+        targets/bf16_gemm.c (vdpbf16ps), twice fp32's multiply rate. Refused on a GPU target and on a CPU without
+        AVX512_BF16."""
+        import functools
+
+        from k3compile.targets.llvm import BF16_GEMM_FEATURE
+
+        if precision not in MATMUL_PRECISIONS:
+            raise ExportError(f"unknown matmul precision {precision!r} (known: {', '.join(MATMUL_PRECISIONS)})")
+        if precision == "fp32":
+            return self
+        if self.gpu:
+            raise ExportError(f"--matmul-precision {precision} applies to the CPU (llvm), not target {self.name!r}")
+        if not self.has_feature(BF16_GEMM_FEATURE):
+            raise ExportError(f"--matmul-precision {precision} needs a CPU with AVX512_BF16 (vdpbf16ps); this "
+                              "target's has none")
+        return replace(self, matmul_precision=precision,
+                       schedule_func=functools.partial(self.schedule_func, bf16_gemm=True))
+
     def describe(self) -> str:
         return str(self.tvm())
+
+
+MATMUL_PRECISIONS = ("fp32", "bf16")  # `compile --matmul-precision`
 
 
 def _llvm() -> Target:

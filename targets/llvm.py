@@ -33,6 +33,11 @@ TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each
 HOST_GEMM = "k3compile.host_gemm"  # k3compile/host_gemm.py registers it (a target imports no runtime module)
 HOST_GEMM_ATTR = "k3.host_gemm"  # marks a PrimFunc that calls it (compile.py counts them for the manifest)
 HOST_GEMM_ROWS = 512  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
+BF16_GEMM = "k3_bf16_gemm"  # targets/bf16_gemm.c: what those rows call instead under --matmul-precision bf16
+BF16_GEMM_ATTR = "k3.bf16_gemm"  # marks a PrimFunc that calls it (compile.py links the C object in when one does)
+BF16_GEMM_SOURCE = "bf16_gemm.c"  # beside this module
+BF16_GEMM_FEATURE = "avx512bf16"  # the LLVM CPU feature it needs (vcvtneps2bf16, vdpbf16ps)
+BF16_GEMM_FLAGS = ("-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 
 
 def _static(extent) -> int | None:
@@ -306,9 +311,10 @@ def _host_gemm_operands(sch, block):
     return x.source, panels, y.source
 
 
-def _call_host_gemm(func, operands, outer):
-    """`func` with the top-level loop nest `outer` (the scheduled matmul) run only below HOST_GEMM_ROWS rows, the
-    host GEMM called from there on."""
+def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bool = False):
+    """`func` with the top-level loop nest `outer` (the scheduled matmul) run only below HOST_GEMM_ROWS rows; from
+    there on the kernel calls the bf16 GEMM linked into the library (`bf16_gemm`, over bf16 panels of PANEL columns)
+    or else the host GEMM (`host_gemm`); `func` unchanged when neither applies."""
     import functools
 
     import tvm
@@ -321,19 +327,55 @@ def _call_host_gemm(func, operands, outer):
     if len(at) != 1:
         return func
     rows = functools.reduce(lambda a, b: a * b, y.shape[:-1])
-    seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, tvm.tirx.Evaluate(
-        tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), seq[at[0]])
+    if bf16_gemm and wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL:
+        status = tvm.tirx.call_extern("int32", BF16_GEMM, x.data, wp.data, y.data, tvm.tirx.Cast("int64", rows),
+                                      tvm.tirx.Cast("int64", wp.shape[1]), tvm.tirx.Cast("int64", wp.shape[0]))
+        call = tvm.tirx.IfThenElse(status != 0, tvm.tirx.Evaluate(
+            tvm.tirx.call_intrin("int32", "tirx.tvm_throw_last_error")), None)  # raised as a packed call's error is
+        mark = BF16_GEMM_ATTR
+    elif host_gemm:
+        call, mark = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), HOST_GEMM_ATTR
+    else:
+        return func
+    seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
     body = tvm.tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
     block = tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
                              block.alloc_buffers, block.match_buffers, block.annotations)
-    return func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block)).with_attr(
-        HOST_GEMM_ATTR, True)
+    return func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block)).with_attr(mark, True)
 
 
-def schedule_func(func, host_gemm: bool = True):
+def bf16_gemm_object(folder) -> str:
+    """targets/bf16_gemm.c compiled into an object in `folder` (for export_library's addons) with the C compiler TVM
+    links with; ExportError (one line) when there is none or it fails."""
+    import subprocess
+    from pathlib import Path
+
+    from tvm.support.cc import get_cc
+
+    from k3compile.interface import ExportError
+
+    cc = get_cc()
+    if cc is None:
+        raise ExportError("--matmul-precision bf16 compiles a C kernel into the library and found no C compiler (set "
+                          "CC, or install gcc)")
+    out = Path(folder) / "k3_bf16_gemm.o"
+    cmd = [cc, "-x", "c", *BF16_GEMM_FLAGS, "-c", str(Path(__file__).with_name(BF16_GEMM_SOURCE)), "-o", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ExportError(f"--matmul-precision bf16: {cc} did not run ({e})") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ExportError(f"--matmul-precision bf16: {cc} could not compile {BF16_GEMM_SOURCE} ({last})")
+    return str(out)
+
+
+def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
     """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled. Without
     `host_gemm` (`compile --no-host-gemm`) a packed matmul over symbolic rows runs its own loops for every row count,
-    so the library needs no function of k3compile's runtime (a plain TVM runtime runs all of it)."""
+    so the library needs no function of k3compile's runtime (a plain TVM runtime runs all of it). With `bf16_gemm`
+    (`compile --matmul-precision bf16`) such a matmul over bf16 panels calls the bf16 GEMM from HOST_GEMM_ROWS rows
+    on (its activations rounded to bf16), which the library itself carries."""
     import tvm
 
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
@@ -346,7 +388,7 @@ def schedule_func(func, host_gemm: bool = True):
     _inline_intermediates(sch, root)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
     host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) \
-        if host_gemm and "k3_packed_matmul" in names else None
+        if (host_gemm or bf16_gemm) and "k3_packed_matmul" in names else None
     for name in names:
         if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)
@@ -381,6 +423,6 @@ def schedule_func(func, host_gemm: bool = True):
             matmul = sch.get_sblock("k3_packed_matmul_update")  # the reduction once decomposed
         except Exception:  # noqa: BLE001 - the matmul rule did not apply: the block is as legalized
             matmul = sch.get_sblock("k3_packed_matmul")
-        func = _call_host_gemm(func, host, sch.get(sch.get_loops(matmul)[0]))
+        func = _call_host_gemm(func, host, sch.get(sch.get_loops(matmul)[0]), host_gemm, bf16_gemm)
     return func.with_attr("tirx.is_scheduled", True)
 

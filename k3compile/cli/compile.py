@@ -27,6 +27,12 @@ from k3compile.modes import DENSE_CHOICES
               help="On a CPU target, prefill matmuls of 512 rows or more call numpy's BLAS through k3compile's runtime "
                    "(the host GEMM: faster from there). --no-host-gemm keeps every row in the compiled kernels, so a "
                    "plain TVM runtime runs the whole library.")
+@click.option("--matmul-precision", "matmul_precision", type=click.Choice(["fp32", "bf16"]), default="fp32",
+              show_default=True,
+              help="On a CPU with AVX512_BF16, bf16: prefill matmuls of 512 rows or more over bf16 dense weights round "
+                   "their activations to bf16 (as llama.cpp's bf16 matmul does) and run a C kernel the library links "
+                   "in at twice fp32's multiply rate; the logits then differ from eager's by that rounding. fp32: "
+                   "exact.")
 @click.option("--tune", "tune", type=IntRange(0, 100_000), default=0, show_default=True, metavar="N",
               help="Tune decode.so's functions with N meta_schedule trials in all (at most 100000); 0: no tuning. "
                    "Minutes: each builder worker starts in ~1 minute.")
@@ -37,8 +43,8 @@ from k3compile.modes import DENSE_CHOICES
               help="With --mesh: how a stage's ranks join their expert slices (see `k3compile export --help`).")
 @click.option("--json", "as_json", is_flag=True, help="Print manifest.json on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(folder, out, target, dense, overwrite, dump_ir, decode_library, host_gemm, tune, mesh, dispatch, as_json,
-            quiet):
+def command(folder, out, target, dense, overwrite, dump_ir, decode_library, host_gemm, matmul_precision, tune, mesh,
+            dispatch, as_json, quiet):
     """Compile FOLDER (`k3compile export`'s OUT) with TVM for TARGET into OUT: the library, the weights, the ONNX it
     came from and manifest.json (checked on load). Run it with `k3compile generate OUT --backend tvm`."""
     from k3compile.compile import compile_export
@@ -49,18 +55,21 @@ def command(folder, out, target, dense, overwrite, dump_ir, decode_library, host
         if not host_gemm:
             target = target.without_host_gemm()
     if mesh is not None:
-        if dump_ir or tune or dense != "auto":
-            raise click.UsageError("--dump-ir, --tune and --dense-weights do not apply to --mesh (its ranks store "
-                                   "bf16 matrices where that is exact)")
+        if dump_ir or tune or dense != "auto" or matmul_precision != "fp32":
+            raise click.UsageError("--dump-ir, --tune, --dense-weights and --matmul-precision do not apply to --mesh "
+                                   "(its ranks store bf16 matrices where that is exact, and multiply in fp32)")
         return _compile_sharded(folder, out, target, overwrite, mesh, dispatch, as_json, quiet)
     with user_errors(), status(f"compiling {folder}", quiet) as step:
         manifest = compile_export(folder, out, target=target, overwrite=overwrite, progress=step, dump_ir=dump_ir,
-                                  tune=tune, dense=dense, decode_library=decode_library)
+                                  tune=tune, dense=dense, decode_library=decode_library,
+                                  matmul_precision=matmul_precision)
     if as_json:
         click.echo(dumps(manifest, indent=2))
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
-                   f"({common.dense_summary(manifest)}), compiled in {manifest['compile_s']:.1f} s")
+                   f"({common.dense_summary(manifest)}"
+                   f"{'; bf16 prefill matmuls' if 'matmul_precision' in manifest else ''}), "
+                   f"compiled in {manifest['compile_s']:.1f} s")
         for row in manifest.get("tuning", {}).get("functions", []):
             tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"
             click.echo(f"  decode {row['function']} (x{row['calls']}): hand {row['hand_us']:.1f} us, tuned {tuned}: "

@@ -310,6 +310,59 @@ def test_no_host_gemm_builds_a_library_a_plain_tvm_runtime_runs_whole(tiny_expor
                    "--no-host-gemm applies to the CPU")
 
 
+def _bf16_inputs_eager(model):
+    """Eager with the input of every dense Linear whose weight holds bf16 values rounded to bf16 by torch (an
+    independent rounding) when it has HOST_GEMM_ROWS rows or more: the precision `--matmul-precision bf16` asks."""
+    from k3compile.targets.llvm import HOST_GEMM_ROWS
+
+    def rounded(module, args):
+        x = args[0]
+        return (x.bfloat16().float() if x.shape[:-1].numel() >= HOST_GEMM_ROWS else x, *args[1:])
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and torch.equal(module.weight, module.weight.bfloat16().float()):
+            module.register_forward_pre_hook(rounded)
+    return EagerBackend(model, Forms.exported())
+
+
+def test_bf16_matmul_precision_rounds_the_prefill_activations_only(tiny_export, tvm_artifact, tmp_path):
+    """`compile --matmul-precision bf16` (targets/bf16_gemm.c linked into the library): the manifest records the
+    kernels that call it and the library carries the C function. Below HOST_GEMM_ROWS rows nothing changes: a
+    left-padded batch of three prompts gives the default artifact's bits at prefill and at each decode step. Past it
+    the dense matmuls multiply bf16-rounded activations. Bound: eager whose dense Linear inputs torch rounds to bf16
+    deviates from plain eager by E on the same long prompts; the artifact deviates from eager by more than ATOL (the
+    rounding took effect) and by at most 2E (the same rounding, at the packed matmuls only, summed in another order),
+    and its 16 greedy tokens are eager's, in a process without torch too. A GPU target refuses the option."""
+    import copy
+
+    from k3compile.targets.llvm import BF16_GEMM, HOST_GEMM_ROWS
+
+    out = tmp_path / "bf16"
+    res = run("compile", tiny_export[1], "-o", out, "--matmul-precision", "bf16", "--no-decode-library", "--json",
+              "--quiet")
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout)["matmul_precision"]
+    assert record["precision"] == "bf16" and record["function"] == BF16_GEMM and record["kernels"] >= 5
+    assert BF16_GEMM.encode() in (out / "model.so").read_bytes()
+    backend, exact = TvmBackend(out), TvmBackend(tvm_artifact[1])
+    short = compare(exact, backend, decode_steps=2, prompts=PROMPTS)
+    assert all(r["max_abs"] == 0 for r in short), [r for r in short if r["max_abs"] != 0][:3]
+    model = tiny_export[0]
+    long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
+    prompts = [long, long[:9]]
+    reference = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()),
+                                                  _bf16_inputs_eager(copy.deepcopy(model)), prompts=prompts))
+    got = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()), backend, prompts=prompts))
+    assert ATOL < got <= 2 * reference, (got, reference)
+    tokens = generate(EagerBackend(model), prompts, 16).tokens
+    assert generate(backend, prompts, 16).tokens == tokens
+    ids = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+    doc = _generate_without_torch(out, *ids, "--max-new-tokens", 16)
+    assert doc["runtime"] == "torch-free" and doc["tokens"] == tokens
+    one_line_error(run("compile", tiny_export[1], "-o", tmp_path / "gpu", "--target", "opencl", "--matmul-precision",
+                       "bf16"), "applies to the CPU")
+
+
 @pytest.mark.parametrize("damage,msg", [
     (lambda d: (d / "weights.safetensors").write_bytes((d / "weights.safetensors").read_bytes()[:-1] + b"\x00"),
      "sha256 differs"),

@@ -1,0 +1,129 @@
+"""The bf16 GEMM (targets/bf16_gemm.c) that `compile --matmul-precision bf16` links into a CPU library, against
+numpy in float64 over the activations that ml_dtypes rounds to bf16 (round to nearest even: an independent
+rounding), through the kernel the CPU schedule gives a packed dense matmul (targets/llvm.py): from HOST_GEMM_ROWS
+rows on it calls the C function, below that its own fp32 loops, which keep fp32's bound."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hardening import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+tvm = pytest.importorskip("tvm")
+
+from k3compile.targets import resolve  # noqa: E402
+from k3compile.targets.llvm import (  # noqa: E402
+    BF16_GEMM,
+    BF16_GEMM_ATTR,
+    BF16_GEMM_FEATURE,
+    HOST_GEMM,
+    HOST_GEMM_ROWS,
+    bf16_gemm_object,
+    schedule_func,
+)
+
+from k3compile.interface import ExportError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not resolve("llvm").has_feature(BF16_GEMM_FEATURE),
+                                reason="this CPU has no AVX512_BF16: --matmul-precision bf16 is refused on it")
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """k -> the packed dense matmul over symbolic rows and K = k, N = 128, scheduled with the bf16 GEMM's branch
+    and linked with the C object into a library written to disk and loaded, as compile builds one."""
+    from k3compile.passes.pack_dense_weights import packed_matmul_te
+    from tvm import te
+
+    folder = tmp_path_factory.mktemp("bf16")
+    made = {}
+
+    def make(k: int):
+        if k not in made:
+            m = te.var("m", "int64")
+            x = te.placeholder((m, k), "float32", name="x")
+            wp = te.placeholder((2, k, 64), "uint16", name="wp")
+            func = schedule_func(te.create_prim_func([x, wp, packed_matmul_te(x, wp, 64)]), bf16_gemm=True)
+            assert func.attrs[BF16_GEMM_ATTR] and HOST_GEMM not in func.script()
+            path = folder / f"k{k}.so"
+            tvm.compile(tvm.IRModule({"main": func}), target=resolve("llvm").tvm()).export_library(
+                str(path), addons=[bf16_gemm_object(folder)])
+            made[k] = tvm.runtime.load_module(str(path))["main"]
+        return made[k]
+
+    return make
+
+
+def _operands(rng, rows, k):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, 128)).astype(ml_dtypes.bfloat16)
+    panels = np.ascontiguousarray(w.view(np.uint16).reshape(k, 2, 64).transpose(1, 0, 2))
+    return x, panels, w.astype(np.float64)
+
+
+def _run(kernel, x, panels):
+    y = tvm.runtime.empty((x.shape[0], 128), "float32")
+    kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(panels), y)
+    return y.numpy()
+
+
+def _within(got, x, w64) -> np.ndarray:
+    """Whether each output is within the fp32 dot-product bound of x @ w in float64 (any summation order):
+    |error| <= K * 2^-23 * sum_k |x_k w_kn|."""
+    x64 = x.astype(np.float64)
+    return np.abs(got - x64 @ w64) <= x.shape[1] * 2.0 ** -23 * (np.abs(x64) @ np.abs(w64))
+
+
+def _bf16(x):
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(rows=st.integers(HOST_GEMM_ROWS, HOST_GEMM_ROWS + 13), k=st.sampled_from([1, 31, 96]),
+       seed=st.integers(0, 2 ** 16))
+def test_from_host_gemm_rows_on_the_products_are_of_bf16_activations(kernels, rows, k, seed):
+    """Every row (the 6-row tiles' tails included) and an odd K: within fp32's bound of the float64 product of the
+    bf16-rounded activations, and (K > 1, random data) outside it for the fp32 activations: the rounding happened."""
+    x, panels, w64 = _operands(np.random.default_rng(seed), rows, k)
+    got = _run(kernels(k), x, panels)
+    assert _within(got, _bf16(x), w64).all()
+    if k > 1:
+        assert not _within(got, x, w64).all()
+
+
+def test_below_host_gemm_rows_the_kernel_keeps_fp32(kernels):
+    """Decode and short prompts: the kernel's own loops, the fp32 activations (what the default build computes)."""
+    rng = np.random.default_rng(1)
+    for rows in (1, 7, HOST_GEMM_ROWS - 1):
+        x, panels, w64 = _operands(rng, rows, 96)
+        assert _within(_run(kernels(96), x, panels), x, w64).all(), rows
+
+
+def test_a_non_finite_activation_reaches_its_row_only(kernels):
+    """A NaN or an infinity in one row's activations makes that row's outputs non-finite (bf16 keeps both), and
+    leaves every other row as it was."""
+    x, panels, w64 = _operands(np.random.default_rng(2), HOST_GEMM_ROWS + 2, 96)
+    x[3, 5], x[HOST_GEMM_ROWS + 1, 0] = np.nan, np.inf
+    got = _run(kernels(96), x, panels)
+    assert np.isnan(got[3]).all() and not np.isfinite(got[HOST_GEMM_ROWS + 1]).any()
+    rest = np.ones(len(x), bool)
+    rest[[3, HOST_GEMM_ROWS + 1]] = False
+    assert _within(got[rest], _bf16(x[rest]), w64).all()
+
+
+def test_the_c_source_compiles_and_exports_the_function(tmp_path):
+    import subprocess
+
+    obj = bf16_gemm_object(tmp_path)
+    assert BF16_GEMM in subprocess.run(["nm", obj], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_gpu_target_and_an_unknown_precision_are_refused():
+    with pytest.raises(ExportError, match="applies to the CPU"):
+        resolve("opencl").with_matmul_precision("bf16")
+    with pytest.raises(ExportError, match="unknown matmul precision"):
+        resolve("llvm").with_matmul_precision("fp16")
+    assert resolve("llvm").with_matmul_precision("fp32") == resolve("llvm")
