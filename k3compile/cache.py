@@ -158,14 +158,15 @@ def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "a
     from k3compile.targets import resolve
 
     record = sources.record(source, seed, weights)
-    tgt = resolve(target)
+    tgt = resolve(target).with_matmul_precision(matmul_precision)  # a Target may carry one already
 
     def build(folder: Path) -> None:
         export = cached_export(source, seed, weights, activations, progress, dense_weights)
         (progress or (lambda msg: None))(f"compiling {source} for {tgt.name} into the cache ({folder})")
-        compile_export(export, folder, target=tgt, progress=progress, matmul_precision=matmul_precision)
+        compile_export(export, folder, target=tgt, progress=progress)
 
-    precision = {} if matmul_precision == "fp32" else {"matmul_precision": matmul_precision}  # keys made before it
+    precision = {} if tgt.matmul_precision == "fp32" else {"matmul_precision": tgt.matmul_precision}  # the keys
+    # made before the option stay valid
     return _cached("artifacts", entry_key("artifact", record, {"activations": activations, **_dense_key(dense_weights),
                                                                **precision, "target": tgt.describe()}),
                    read_manifest, build, progress)

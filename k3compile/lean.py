@@ -95,9 +95,12 @@ def runtime_library_for(source, backend: str = "auto") -> None:
 def check_host(folder: Path, manifest: dict) -> None:
     """An llvm artifact's (or a sharded CPU OUT's) recorded `host` must be this machine's (targets.host_record; equal
     records give equal tvm_target fields); one line otherwise."""
+    from k3compile.manifest import SHARDED_KIND
+
     if not _host_is_here(manifest):
-        raise ExportError(f"{folder}: compiled for {manifest.get('tvm_target')}, not for this machine; compile it "
-                          "again here")
+        again = "export --mesh or compile --mesh" if manifest.get("kind") == SHARDED_KIND else "compile"
+        raise ExportError(f"{folder}: compiled for {manifest.get('tvm_target')}, not for this machine; build it "
+                          f"again here ({again})")
 
 
 def import_tvm(beside_torch: bool = False):

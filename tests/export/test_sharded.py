@@ -975,7 +975,7 @@ def test_a_rank_built_for_another_host_is_refused_with_one_line(sharded, tmp_pat
     (folder / "manifest.json").write_text(json.dumps(doc))
     res = cli("run", str(folder), "--max-new-tokens", "2", timeout=120)
     assert res.returncode == 1 and res.stderr.count("Error:") == 1 and "Traceback" not in res.stderr
-    assert "not for this machine" in res.stderr
+    assert "not for this machine" in res.stderr and "(export --mesh or compile --mesh)" in res.stderr
 
 
 def test_verify_refuses_a_tampered_rank_file_with_one_line(sharded, tmp_path):
