@@ -3,7 +3,7 @@ decode states against eager and against the single-process TVM build, the runtim
 against the accounting rule written out here, two nodes, a killed worker, damaged artifacts, and the network: what
 listens, and an attacker writing pickles into the run's store and sockets.
 
-The eight sharded artifacts for llvm (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time;
+The seven sharded artifacts for llvm (CASES, and ep=2,dp=2) are built once per session with the CLI, two at a time;
 one for OpenCL (opencl_sharded) after them.
 """
 
@@ -32,15 +32,17 @@ from k3compile.sharding.tensor import state_piece
 PROMPTS = [[5, 17, 42, 9], [3, 77], [60, 4, 8]]  # a left-padded batch of three (ids below both vocabularies)
 NEW = 32
 A2A = "all-to-all"
-# Eight artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2)
-# and uneven (ep=3: 8 experts as 3 + 3 + 2), stages with slices (ep=2,pp=2: the AttnRes carry between stages), the
-# checkpoint of the family over stages and slices, all-to-all dispatch on uneven slices, tensor parallelism with
+# Seven artifacts (each costs its traces and builds, ~1 min here: the suite's time budget): expert slices even (ep=2,
+# the all-reduce) and uneven (ep=3: 8 experts as 3 + 3 + 2, with the all-to-all dispatch; the all-reduce over the
+# same uneven slices was an eighth, dropped for the suite's time: the slicing is the dispatch's input, the same for
+# both), stages with slices (ep=2,pp=2: the AttnRes carry between stages), the checkpoint of the family over stages
+# and slices, tensor parallelism with
 # expert parallelism and the all-to-all (2 row groups of 2 tp ranks, each dispatching half its group's slots, the
 # experts over the 4 ranks) and over stages, and data parallel replicas (test_data_parallel_replicas_decode_their_
 # rows). tp=2 alone, tp=2,ep=2 with the all-reduce dispatch and a transformers-built checkpoint under tp (both
 # dispatches): tests/unit/test_tensor_parallel.py (eager ranks); tp=2 alone and tp=2,ep=2 all-reduce built were
 # checked by hand and by earlier suites (their tokens equal eager's).
-CASES = [("k3-tiny", "ep=2", "all-reduce"), ("k3-tiny", "ep=3", "all-reduce"), ("k3-tiny", "ep=2,pp=2", "all-reduce"),
+CASES = [("k3-tiny", "ep=2", "all-reduce"), ("k3-tiny", "ep=2,pp=2", "all-reduce"),
          ("kimi-linear", "ep=2,pp=2", "all-reduce"), ("k3-tiny", "ep=3", A2A), ("k3-tiny", "tp=2,ep=2", A2A),
          ("k3-tiny", "tp=2,pp=2", "all-reduce")]
 # Decode states after 32 steps, distributed vs one process: the expert-parallel all-reduce adds the slices' partial
@@ -729,13 +731,13 @@ def test_run_stats_prints_measured_next_to_the_plan(sharded):
 def test_the_manifest_names_each_ranks_share(sharded):
     from k3compile.manifest import read_sharded
 
-    doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3", "all-reduce")])
+    doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3", A2A)])
     assert [r["experts"] for r in doc["ranks"]] == [[0, 3], [3, 6], [6, 8]]  # 8 experts on 3 ranks
     assert doc["builds"] == 2  # slices of 3 share one library, the slice of 2 has its own
     from safetensors import safe_open
 
     def packed(rank):  # the MXFP4 experts, re-laid for the kernel: the only uint8 tensors
-        with safe_open(sharded[("k3-tiny", "ep=3", "all-reduce")] / f"rank{rank}" / "weights.safetensors", "np") as f:
+        with safe_open(sharded[("k3-tiny", "ep=3", A2A)] / f"rank{rank}" / "weights.safetensors", "np") as f:
             return [t for t in (f.get_tensor(k) for k in f.keys()) if t.dtype == np.uint8]
 
     assert {t.shape[0] for t in packed(0)} == {3} and {t.shape[0] for t in packed(2)} == {2}  # its experts only

@@ -185,8 +185,11 @@ ARG = st.one_of(
     st.tuples(st.just("--temperature"), st.sampled_from(["0", "0.7", "1e-45", "nan", "-1", "inf", "1e308"])),
     st.tuples(st.just("--top-p"), st.sampled_from(["1", "0.5", "0", "1.5", "nan", "1e-30"])),
     st.tuples(st.just("--seed"), st.sampled_from(["0", "7", str(2**64 - 1), str(2**64), "-3", "s"])),
-    st.tuples(st.just("--weight-seed"), st.sampled_from(["0", "2", str(2**64), "x"])),
-    st.tuples(st.just("--experts"), st.sampled_from(["auto", "float", "mxfp4", "fp8"])),
+    # One valid model (seed 0, experts auto) besides the refused values: with `--backend tvm` every other valid model
+    # is a build of its own into the cache (~25 s each on 2 cores); the builds of other seeds and expert formats are
+    # tested apart (test_tvm.py), this property is about the arguments.
+    st.tuples(st.just("--weight-seed"), st.sampled_from(["0", str(2**64), "x"])),
+    st.tuples(st.just("--experts"), st.sampled_from(["auto", "fp8", "Float"])),
     st.tuples(st.just("--backend"), st.sampled_from(["eager", "tvm"])),
 )
 
