@@ -49,7 +49,7 @@ from k3compile.threads import glue_threads
 # executor replaced, for the ratio; webgpu: SOURCE compiled for webgpu, on the WebGPU executor
 BACKENDS = ("eager", "onnx", "tvm", "tvm-mxfp8", "tvm-bf16", "opencl", "opencl-kernels", "webgpu")
 TVM_MXFP8 = "tvm-mxfp8"  # TVM with the dense matrices exported as MXFP8 (compile's --dense-weights mxfp8)
-TVM_BF16 = "tvm-bf16"  # TVM with bf16 prefill matmuls (compile's --matmul-precision bf16)
+TVM_BF16 = "tvm-bf16"  # TVM with bf16 dense matmuls (compile's --matmul-precision bf16)
 LLAMA = "llama.cpp"  # the peer's rows (k3compile/llama_bench.py), with --llama-bench and --gguf
 PAST_CHUNK = 1024  # tokens per prefill step when building a long past (a step's scores: heads x chunk x past)
 # the backends --decode-past measures (eager and onnxruntime take minutes per past)

@@ -151,7 +151,7 @@ def cached_artifact(source: str, target="llvm", seed: int = 0, weights: str = "a
                     dense_weights: str = "source", matmul_precision: str = "fp32") -> Path:
     """A compiled artifact of SOURCE for `target` (a k3compile.targets.Target, or its name) in the cache, exported
     and compiled on first use (its dense matrices as compile's auto stores them: MXFP8 for `dense_weights`
-    "mxfp8"; its prefill matmuls at `matmul_precision`, compile's --matmul-precision)."""
+    "mxfp8"; its dense matmuls at `matmul_precision`, compile's --matmul-precision)."""
     from k3compile import source as sources
     from k3compile.compile import compile_export
     from k3compile.manifest import read_manifest

@@ -52,7 +52,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
     with static shapes (k3compile/tune.py; docs/architecture.md, "The decode library and tuning"), unless
     `decode_library` is False; with `tune` > 0 its functions are tuned with that many meta_schedule trials. `dense`:
     how the dense matrices are stored (`dense_target`). Without `host_gemm` no kernel calls k3compile's host GEMM
-    (Target.without_host_gemm): a plain TVM runtime runs the whole library. `matmul_precision` "bf16": prefill matmuls
+    (Target.without_host_gemm): a plain TVM runtime runs the whole library. `matmul_precision` "bf16": the dense matmuls
     round their activations to bf16 (Target.with_matmul_precision; refused when no matmul of the build can)."""
     import tempfile
 
@@ -75,6 +75,9 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
         raise ExportError(f"--tune tunes CPU code; target {tgt.name!r} is scheduled by dlight and its own kernels")
     if tune and not decode_library:
         raise ExportError(f"--tune {tune} tunes the decode library, which --no-decode-library leaves out")
+    if tune and tgt.matmul_precision != "fp32":
+        raise ExportError(f"--tune tunes TVM's schedules; under --matmul-precision {tgt.matmul_precision} the dense "
+                          "matmuls run a C kernel (targets/bf16_gemm.c) that meta_schedule cannot build or time")
     if dump_ir is not None:
         _dump_folder(dump_ir, create=False, apart_from=(out, export_dir))  # refused before any work; created once
         # the compile starts
@@ -93,8 +96,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             write_gpu_build(w.path, mod, executable, names, tgt, step)
         tuning = None
         if decode_library and not tgt.gpu:
-            decode, rows = build_decode(export_dir, tgt, tune, work, progress=step)
-            decode.export_library(str(w.path / DECODE_LIBRARY))
+            decode, rows = build_decode(export_dir, tgt, tune, work, w.path / DECODE_LIBRARY, progress=step)
             for name in (WORKLOADS, RECORDS) if tune else ():
                 shutil.copyfile(Path(work) / name, w.path / name)
             tuning = {"trials": tune, "library": DECODE_LIBRARY, "batch": 1, "seq": 1, "functions": rows}
@@ -186,13 +188,10 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
     """build() of a k3 ONNX ModelProto (an export's, or one rank's graph: k3compile/partition.py). A k3 call left
     extern after the phases (a kernel factory declined it, or none is written) is refused (`_no_extern_calls`) before
     TVM compiles anything, on every target."""
-    import tempfile
-
     import tvm
 
     from k3compile.frontend import to_relax
     from k3compile.passes import run_phases
-    from k3compile.targets.llvm import bf16_gemm_object
 
     step = progress or (lambda msg: None)
     if tgt.matmul_precision != "fp32" and library_path is None:
@@ -229,12 +228,22 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
         executable = tvm.compile(library.with_signature(mod, names), target=tgt.tvm(),
                                  relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
     if library_path is not None:
-        with tempfile.TemporaryDirectory() as objects:
-            addons = [bf16_gemm_object(objects)] if bf16_gemm_record(mod) else None  # the C kernel it calls
-            executable.export_library(str(library_path), addons=addons)
+        export_library(executable, mod, library_path)
         executable = library.load(Path(library_path))
     step("putting the weights in the target's layout")
     return mod, executable, names, library.transform_weights(executable, raw)
+
+
+def export_library(executable, mod, path: str | Path) -> None:
+    """A CPU build's `executable` (of the scheduled module `mod`) written to `path`, linked with the C kernel its
+    functions call under --matmul-precision bf16 (targets/bf16_gemm.c)."""
+    import tempfile
+
+    from k3compile.targets.llvm import bf16_gemm_object
+
+    with tempfile.TemporaryDirectory() as objects:
+        addons = [bf16_gemm_object(objects)] if bf16_gemm_record(mod) else None
+        executable.export_library(str(path), addons=addons)
 
 
 DENSE_FORMAT = "k3.dense_format"  # module attr: the dense format a build stores (modes.DenseFormat)
@@ -323,15 +332,20 @@ def entry_points(mod) -> list[str]:
     return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, relax.Function))
 
 
+def _kernels_with(mod, attr: str) -> int:
+    """How many of a built module's PrimFuncs carry the function attribute `attr` (targets/llvm.py marks them)."""
+    import tvm
+
+    return sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+               and attr in f.attrs)
+
+
 def host_gemm_record(mod) -> dict | None:
     """What a CPU build's kernels call on the host (targets/llvm.py, k3compile/host_gemm.py): the packed function,
     the row count from which they call it and how many kernels do; None when none does."""
-    import tvm
-
     from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ATTR, HOST_GEMM_ROWS
 
-    kernels = sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
-                  and HOST_GEMM_ATTR in f.attrs)
+    kernels = _kernels_with(mod, HOST_GEMM_ATTR)
     return {"function": HOST_GEMM, "min_rows": HOST_GEMM_ROWS, "kernels": kernels} if kernels else None
 
 
@@ -339,14 +353,10 @@ def bf16_gemm_record(mod) -> dict | None:
     """What a `--matmul-precision bf16` build's kernels call (targets/llvm.py, targets/bf16_gemm.c, linked into the
     library): the precision, the C function, the row count from which they call it and how many kernels do; None
     when none does."""
-    import tvm
+    from k3compile.targets.llvm import BF16_GEMM, BF16_GEMM_ATTR
 
-    from k3compile.targets.llvm import BF16_GEMM, BF16_GEMM_ATTR, HOST_GEMM_ROWS
-
-    kernels = sum(1 for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
-                  and BF16_GEMM_ATTR in f.attrs)
-    return {"precision": "bf16", "function": BF16_GEMM, "min_rows": HOST_GEMM_ROWS,
-            "kernels": kernels} if kernels else None
+    kernels = _kernels_with(mod, BF16_GEMM_ATTR)
+    return {"precision": "bf16", "function": BF16_GEMM, "min_rows": 1, "kernels": kernels} if kernels else None
 
 
 def dense_format(mod) -> str:
@@ -496,11 +506,11 @@ def _no_extern_calls(mod, tgt) -> None:
                                     for symbol in left))
 
 
-def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Path,
+def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Path, path: str | Path,
                  progress: Callable[[str], None] | None = None):
-    """The decode library (k3compile/tune.py): the export imported with batch = seq = 1, lowered and scheduled like
-    `main`, its static functions tuned when `trials` > 0; it takes main's weights, which is checked (the two weight
-    transforms must be the same function). Returns (executable, tuning rows)."""
+    """The decode library (k3compile/tune.py) written to `path`: the export imported with batch = seq = 1, lowered
+    and scheduled like `main`, its static functions tuned when `trials` > 0; it takes main's weights, which is
+    checked (the two weight transforms must be the same function). Returns (executable, tuning rows)."""
     import onnx
     import tvm
     import tvm_ffi
@@ -532,6 +542,7 @@ def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Pat
     with tgt.compiling():  # it takes main's weights: it carries main's names (library.py)
         executable = tvm.compile(library.with_signature(mod, weight_names(main_mod)), target=tgt.tvm(),
                                  relax_pipeline=tvm.transform.Sequential(tgt.finish_passes()))
+    export_library(executable, mod, path)
     return executable, rows
 
 

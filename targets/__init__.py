@@ -87,7 +87,7 @@ class Target:
     limits: object = None           # a GPU's targets.gpu.Limits (None: the CPU)
     source: tuple = ()              # a GPU's (TVM module kind of its device code, file suffix), e.g. ("opencl", ".cl")
     dense_format: str = "fp32"      # how the dense panels are stored (modes.DenseFormat; compile.dense_target sets it)
-    matmul_precision: str = "fp32"  # "bf16": prefill matmuls round their activations to bf16 (with_matmul_precision)
+    matmul_precision: str = "fp32"  # "bf16": dense matmuls round their activations to bf16 (with_matmul_precision)
 
     @property
     def gpu(self) -> bool:
@@ -138,20 +138,16 @@ class Target:
     def without_host_gemm(self) -> Target:
         """This CPU target with no call to the host GEMM in its kernels (`compile --no-host-gemm`: targets/llvm.py,
         schedule_func); a GPU target's kernels never call it, so asking there is refused."""
-        import functools
-
         if self.gpu:
             raise ExportError(f"--no-host-gemm applies to the CPU (llvm); target {self.name!r} never calls the host "
                               "GEMM")
         return replace(self, schedule_func=functools.partial(self.schedule_func, host_gemm=False))
 
     def with_matmul_precision(self, precision: str) -> Target:
-        """This CPU target with its prefill matmuls at `precision` (`compile --matmul-precision`): "fp32" (exact),
-        or "bf16": from HOST_GEMM_ROWS rows on a matmul over bf16 panels rounds its activations to bf16 and runs
-        targets/bf16_gemm.c (vdpbf16ps), twice fp32's multiply rate. Refused on a GPU target and on a CPU without
-        AVX512_BF16."""
-        import functools
-
+        """This CPU target with its dense matmuls at `precision` (`compile --matmul-precision`): "fp32" (exact),
+        or "bf16": at every row count (prefill and decode) a matmul over bf16 panels rounds its activations to bf16
+        and runs targets/bf16_gemm.c (vdpbf16ps), twice fp32's multiply rate. Refused on a GPU target and on a CPU
+        without AVX512_BF16."""
         from k3compile.targets.llvm import BF16_GEMM_FEATURE
 
         if precision not in MATMUL_PRECISIONS:

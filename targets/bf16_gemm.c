@@ -1,6 +1,6 @@
 /* The bf16 GEMM that a CPU library compiled with `--matmul-precision bf16` links in (docs/toolchain.md, "CPU
- * schedules": the bf16 GEMM). Its prefill matmuls (HOST_GEMM_ROWS rows or more, bf16 dense panels) call it from
- * their kernels (targets/llvm.py) in place of the host GEMM:
+ * schedules": the bf16 GEMM). Its dense matmuls over bf16 panels call it from their kernels (targets/llvm.py) in
+ * place of their own loops, at every row count (prefill and decode, the decode library's static batch 1 too):
  *
  *     y[m, g * 64 + c] = sum_k bf16(x[m, k]) * wp[g, k, c]
  *
@@ -14,7 +14,10 @@
  * Two parallel launches on TVM's own thread pool (TVMBackendParallelLaunch, as TVM's parallel loops use it):
  * the rows of x rounded to bf16 pairs, then the panels split between the threads; a thread interleaves each of its
  * panels' k pairs once (the layout vdpbf16ps reads: two k values per 32-bit lane) and multiplies every row by it, 6
- * rows x 64 columns in 24 registers at a time. Returns 0, or -1 with TVM's last error set (memory). */
+ * rows x 64 columns in 24 registers at a time. Up to STREAM_ROWS rows (a decode step, a short prompt) there is no
+ * interleaved copy: each pair is interleaved in registers as the panel streams in (a vpermt2w per 16 pairs), one
+ * pass per 6 rows, the later ones finding the panel in L2 (measured: docs/toolchain.md); up to 12 rows the caller's
+ * thread rounds them, where a launch would cost more. Returns 0, or -1 with TVM's last error set (memory). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +33,7 @@ extern void TVMFFIErrorSetRaisedFromCStr(const char *kind, const char *message);
 
 #define PANEL 64 /* columns per panel: targets/llvm.py PANEL */
 #define ROWS 6   /* rows per register tile: 6 x 4 accumulators, 4 panel vectors, 1 broadcast of 32 registers */
+#define STREAM_ROWS 128 /* up to this many rows no interleaved copy of a panel: each pair interleaved as it streams */
 
 typedef struct {
   const float *x;
@@ -85,6 +89,70 @@ static inline __attribute__((always_inline)) void tile(const int R, const uint32
       _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
 }
 
+/* The four vectors of k pair p of a raw panel w ([K, 64] bf16 bits) in the layout vdpbf16ps reads: lane c of
+ * vector i holds w[2p, 16i + c] in its low half and w[2p + 1, 16i + c] (0 past an odd K's end) in its high half.
+ * One vpermt2w a vector picks the 16 pairs from the two rows' 32 columns. */
+static inline __attribute__((always_inline)) void pair_vectors(const uint16_t *w, int64_t p, int64_t k,
+                                                              __m512bh v[4]) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const uint16_t *even = w + 2 * p * PANEL;
+  for (int h = 0; h < 2; h++) {
+    __m512i e = _mm512_loadu_si512(even + 32 * h);
+    __m512i o = 2 * p + 1 < k ? _mm512_loadu_si512(even + PANEL + 32 * h) : _mm512_setzero_si512();
+    v[2 * h] = (__m512bh)_mm512_permutex2var_epi16(e, lo, o);
+    v[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(e, hi, o);
+  }
+}
+
+/* tile() for R <= ROWS rows reading the raw panel w, each pair interleaved in registers as it streams in: a
+ * decode step's few rows, for which interleaving the panel into memory first would cost a second pass over it. */
+static inline __attribute__((always_inline)) void tile_stream(const int R, const uint32_t *xb, int64_t k2,
+                                                              const uint16_t *w, int64_t k, float *y, int64_t ldy) {
+  __m512 acc[ROWS][4];
+  __m512bh v[4];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++)
+      acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k2; p++) {
+    pair_vectors(w, p, k, v);
+    for (int r = 0; r < R; r++) {
+      __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * k2 + p]);
+      for (int c = 0; c < 4; c++)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, v[c]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++)
+      _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
+}
+
+/* Panels [g0, g1) of the job for at most STREAM_ROWS rows: each panel streamed once per ROWS rows (later passes
+ * find it in L2), nothing written but y. */
+static int panels_streamed(int task, TVMParallelGroupEnv *env, void *data) {
+  Job *job = (Job *)data;
+  int64_t g0 = job->groups * task / env->num_task, g1 = job->groups * (task + 1) / env->num_task;
+  int64_t ldy = job->groups * PANEL;
+  for (int64_t g = g0; g < g1; g++) {
+    const uint16_t *w = job->wp + g * job->k * PANEL;
+    float *out = job->y + g * PANEL;
+    for (int64_t m = 0; m < job->rows; m += ROWS) {
+      const uint32_t *xb = job->xb + m * job->k2;
+      float *ym = out + m * ldy;
+      switch (job->rows - m < ROWS ? job->rows - m : ROWS) {
+        case 6: tile_stream(6, xb, job->k2, w, job->k, ym, ldy); break;
+        case 5: tile_stream(5, xb, job->k2, w, job->k, ym, ldy); break;
+        case 4: tile_stream(4, xb, job->k2, w, job->k, ym, ldy); break;
+        case 3: tile_stream(3, xb, job->k2, w, job->k, ym, ldy); break;
+        case 2: tile_stream(2, xb, job->k2, w, job->k, ym, ldy); break;
+        default: tile_stream(1, xb, job->k2, w, job->k, ym, ldy); break;
+      }
+    }
+  }
+  return 0;
+}
+
 /* Panels [g0, g1) of the job, each interleaved once into wv: wv[p, c] = wp[g, 2p, c] | wp[g, 2p + 1, c] << 16. */
 static int panels(int task, TVMParallelGroupEnv *env, void *data) {
   Job *job = (Job *)data;
@@ -100,14 +168,10 @@ static int panels(int task, TVMParallelGroupEnv *env, void *data) {
   for (int64_t g = g0; g < g1; g++) {
     const uint16_t *w = job->wp + g * job->k * PANEL;
     for (int64_t p = 0; p < job->k2; p++) {
-      const uint16_t *even = w + 2 * p * PANEL;
-      for (int c = 0; c < PANEL; c += 16) {
-        __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(even + c)));
-        __m512i hi = 2 * p + 1 < job->k
-                         ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(even + PANEL + c)))
-                         : _mm512_setzero_si512();
-        _mm512_storeu_si512(wv + p * PANEL + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
+      __m512bh v[4];
+      pair_vectors(w, p, job->k, v);
+      for (int c = 0; c < 4; c++)
+        _mm512_storeu_si512(wv + p * PANEL + 16 * c, (__m512i)v[c]);
     }
     float *out = job->y + g * PANEL;
     int64_t m = 0;
@@ -135,8 +199,13 @@ int32_t k3_bf16_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows,
     TVMFFIErrorSetRaisedFromCStr("MemoryError", "k3_bf16_gemm: no memory for the rounded activations");
     return -1;
   }
-  TVMBackendParallelLaunch(round_rows, &job, 0);
-  TVMBackendParallelLaunch(panels, &job, 0);
+  if (rows <= 2 * ROWS) { /* a decode step's few rows: rounded here, where a launch would cost more */
+    TVMParallelGroupEnv one = {NULL, 1};
+    round_rows(0, &one, &job);
+  } else {
+    TVMBackendParallelLaunch(round_rows, &job, 0);
+  }
+  TVMBackendParallelLaunch(rows <= STREAM_ROWS ? panels_streamed : panels, &job, 0);
   free(job.xb);
   if (job.failed) {
     TVMFFIErrorSetRaisedFromCStr("MemoryError", "k3_bf16_gemm: no memory for a panel's interleaved copy");

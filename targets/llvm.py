@@ -33,7 +33,7 @@ TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each
 HOST_GEMM = "k3compile.host_gemm"  # k3compile/host_gemm.py registers it (a target imports no runtime module)
 HOST_GEMM_ATTR = "k3.host_gemm"  # marks a PrimFunc that calls it (compile.py counts them for the manifest)
 HOST_GEMM_ROWS = 512  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
-BF16_GEMM = "k3_bf16_gemm"  # targets/bf16_gemm.c: what those rows call instead under --matmul-precision bf16
+BF16_GEMM = "k3_bf16_gemm"  # targets/bf16_gemm.c: what every row calls instead under --matmul-precision bf16
 BF16_GEMM_ATTR = "k3.bf16_gemm"  # marks a PrimFunc that calls it (compile.py links the C object in when one does)
 BF16_GEMM_SOURCE = "bf16_gemm.c"  # beside this module
 BF16_GEMM_FEATURE = "avx512bf16"  # the LLVM CPU feature it needs (vcvtneps2bf16, vdpbf16ps)
@@ -279,9 +279,10 @@ def _schedule_transpose(sch, block, m: int) -> None:
         sch.vectorize(ni)
 
 
-def _host_gemm_operands(sch, block):
+def _host_gemm_operands(sch, block, static_rows: bool = False):
     """(x, wp, y) when `block` is the plain packed dense matmul y[r..., j] = sum_k x[r..., k] * wp[j // P, k, j % P]
-    over rows of which some are symbolic (the host GEMM reads the buffers as they are); else None."""
+    over rows of which some are symbolic, or any rows with `static_rows` (the host GEMM and the bf16 GEMM read the
+    buffers as they are); else None."""
     import tvm
 
     stmt = sch.get(block)
@@ -296,7 +297,7 @@ def _host_gemm_operands(sch, block):
             panels = sch.get(producer).reads[0].source  # the stored bf16 bits, which the host GEMM widens itself
     if x.source.dtype != "float32" or panels.dtype not in ("float32", "uint16") or len(panels.shape) != 3:
         return None
-    if all(isinstance(d, tvm.tirx.IntImm) for d in y.source.shape):
+    if not static_rows and all(isinstance(d, tvm.tirx.IntImm) for d in y.source.shape):
         return None  # static rows: a decode library's step, which the kernel serves
     analyzer = tvm.sym.Analyzer()
 
@@ -312,9 +313,10 @@ def _host_gemm_operands(sch, block):
 
 
 def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bool = False):
-    """`func` with the top-level loop nest `outer` (the scheduled matmul) run only below HOST_GEMM_ROWS rows; from
-    there on the kernel calls the bf16 GEMM linked into the library (`bf16_gemm`, over bf16 panels of PANEL columns)
-    or else the host GEMM (`host_gemm`); `func` unchanged when neither applies."""
+    """`func` whose top-level loop nest `outer` (the scheduled matmul) is replaced, for every row count, by a call of
+    the bf16 GEMM linked into the library (`bf16_gemm`, over bf16 panels of PANEL columns), or else (`host_gemm`,
+    symbolic rows) run only below HOST_GEMM_ROWS rows, the host GEMM called from there on; `func` unchanged when
+    neither applies."""
     import functools
 
     import tvm
@@ -332,12 +334,12 @@ def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bo
                                       tvm.tirx.Cast("int64", wp.shape[1]), tvm.tirx.Cast("int64", wp.shape[0]))
         call = tvm.tirx.IfThenElse(status != 0, tvm.tirx.Evaluate(
             tvm.tirx.call_intrin("int32", "tirx.tvm_throw_last_error")), None)  # raised as a packed call's error is
-        mark = BF16_GEMM_ATTR
-    elif host_gemm:
+        seq[at[0]], mark = call, BF16_GEMM_ATTR  # every row: a step's bits never depend on its batch
+    elif host_gemm and not all(isinstance(d, tvm.tirx.IntImm) for d in y.shape[:-1]):
         call, mark = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), HOST_GEMM_ATTR
+        seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
     else:
         return func
-    seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
     body = tvm.tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
     block = tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
                              block.alloc_buffers, block.match_buffers, block.annotations)
@@ -374,8 +376,8 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
     """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled. Without
     `host_gemm` (`compile --no-host-gemm`) a packed matmul over symbolic rows runs its own loops for every row count,
     so the library needs no function of k3compile's runtime (a plain TVM runtime runs all of it). With `bf16_gemm`
-    (`compile --matmul-precision bf16`) such a matmul over bf16 panels calls the bf16 GEMM from HOST_GEMM_ROWS rows
-    on (its activations rounded to bf16), which the library itself carries."""
+    (`compile --matmul-precision bf16`) every packed matmul over bf16 panels, of symbolic or static rows, calls the
+    bf16 GEMM instead of its loops (its activations rounded to bf16), which the library itself carries."""
     import tvm
 
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
@@ -387,7 +389,7 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
         return func
     _inline_intermediates(sch, root)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul")) \
+    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul"), static_rows=bf16_gemm) \
         if (host_gemm or bf16_gemm) and "k3_packed_matmul" in names else None
     for name in names:
         if name in (MX_PARTIAL, WIDENED):

@@ -79,7 +79,7 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
 @click.argument("source", default="k3-small")
 @click.option("--backends", default="eager,onnx,tvm", show_default=True, callback=name_list(BACKENDS),
               help="Comma-separated: eager, onnx, tvm, tvm-mxfp8 (TVM with the dense matrices exported as MXFP8: "
-                   "--dense-weights mxfp8), tvm-bf16 (TVM with bf16 prefill matmuls: --matmul-precision bf16), "
+                   "--dense-weights mxfp8), tvm-bf16 (TVM with bf16 dense matmuls: --matmul-precision bf16), "
                    "opencl (the OpenCL executor: SOURCE compiled for opencl), "
                    "opencl-kernels (that artifact kernel by kernel, as verify --kernels runs it: slow), webgpu "
                    "(the WebGPU executor: SOURCE compiled for webgpu).")

@@ -7,6 +7,7 @@ import click
 from k3compile.cli import common
 from k3compile.cli.common import DENSE_HELP, IntRange, dumps, status, user_errors
 from k3compile.modes import DENSE_CHOICES
+from k3compile.targets import MATMUL_PRECISIONS
 
 
 @click.command("compile")
@@ -27,9 +28,9 @@ from k3compile.modes import DENSE_CHOICES
               help="On a CPU target, prefill matmuls of 512 rows or more call numpy's BLAS through k3compile's runtime "
                    "(the host GEMM: faster from there). --no-host-gemm keeps every row in the compiled kernels, so a "
                    "plain TVM runtime runs the whole library.")
-@click.option("--matmul-precision", "matmul_precision", type=click.Choice(["fp32", "bf16"]), default="fp32",
+@click.option("--matmul-precision", "matmul_precision", type=click.Choice(MATMUL_PRECISIONS), default="fp32",
               show_default=True,
-              help="On a CPU with AVX512_BF16, bf16: prefill matmuls of 512 rows or more over bf16 dense weights round "
+              help="On a CPU with AVX512_BF16, bf16: the matmuls over bf16 dense weights (prefill and decode) round "
                    "their activations to bf16 (as llama.cpp's bf16 matmul does) and run a C kernel the library links "
                    "in at twice fp32's multiply rate; the logits then differ from eager's by that rounding. fp32: "
                    "exact.")
@@ -68,7 +69,7 @@ def command(folder, out, target, dense, overwrite, dump_ir, decode_library, host
     elif not quiet:
         click.echo(f"wrote {out}: {manifest['target']} library, {len(manifest['params'])} weights "
                    f"({common.dense_summary(manifest)}"
-                   f"{'; bf16 prefill matmuls' if 'matmul_precision' in manifest else ''}), "
+                   f"{'; bf16 dense matmuls' if 'matmul_precision' in manifest else ''}), "
                    f"compiled in {manifest['compile_s']:.1f} s")
         for row in manifest.get("tuning", {}).get("functions", []):
             tuned = "-" if row["tuned_us"] is None else f"{row['tuned_us']:.1f} us"

@@ -312,12 +312,9 @@ def test_no_host_gemm_builds_a_library_a_plain_tvm_runtime_runs_whole(tiny_expor
 
 def _bf16_inputs_eager(model):
     """Eager with the input of every dense Linear whose weight holds bf16 values rounded to bf16 by torch (an
-    independent rounding) when it has HOST_GEMM_ROWS rows or more: the precision `--matmul-precision bf16` asks."""
-    from k3compile.targets.llvm import HOST_GEMM_ROWS
-
+    independent rounding): the precision `--matmul-precision bf16` asks."""
     def rounded(module, args):
-        x = args[0]
-        return (x.bfloat16().float() if x.shape[:-1].numel() >= HOST_GEMM_ROWS else x, *args[1:])
+        return (args[0].bfloat16().float(), *args[1:])
 
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and torch.equal(module.weight, module.weight.bfloat16().float()):
@@ -325,42 +322,45 @@ def _bf16_inputs_eager(model):
     return EagerBackend(model, Forms.exported())
 
 
-def test_bf16_matmul_precision_rounds_the_prefill_activations_only(tiny_export, tvm_artifact, tmp_path):
-    """`compile --matmul-precision bf16` (targets/bf16_gemm.c linked into the library): the manifest records the
-    kernels that call it and the library carries the C function. Below HOST_GEMM_ROWS rows nothing changes: a
-    left-padded batch of three prompts gives the default artifact's bits at prefill and at each decode step. Past it
-    the dense matmuls multiply bf16-rounded activations. Bound: eager whose dense Linear inputs torch rounds to bf16
-    deviates from plain eager by E on the same long prompts; the artifact deviates from eager by more than ATOL (the
-    rounding took effect) and by at most 2E (the same rounding, at the packed matmuls only, summed in another order),
-    and its 16 greedy tokens are eager's, in a process without torch too. A GPU target refuses the option."""
+def test_bf16_matmul_precision_rounds_the_dense_activations(tiny_export, tmp_path):
+    """`compile --matmul-precision bf16` (targets/bf16_gemm.c linked into both libraries): the manifest records the
+    kernels that call it and each library carries the C function. At every row count the dense matmuls multiply
+    bf16-rounded activations: prefill, each decode step of a left-padded batch, and the decode library's batch-1
+    step. Bound: eager whose dense Linear inputs torch rounds to bf16 deviates from plain eager by E on the same
+    prompts; the artifact deviates from eager by more than ATOL (the rounding took effect) and by at most 2E (the
+    same rounding, at the packed matmuls only, summed in another order), and its 16 greedy tokens are eager's, in a
+    process without torch too. A GPU target refuses the option, and so does --tune."""
     import copy
 
-    from k3compile.targets.llvm import BF16_GEMM, HOST_GEMM_ROWS
+    from k3compile.targets.llvm import BF16_GEMM
 
     out = tmp_path / "bf16"
-    res = run("compile", tiny_export[1], "-o", out, "--matmul-precision", "bf16", "--no-decode-library", "--json",
-              "--quiet")
+    res = run("compile", tiny_export[1], "-o", out, "--matmul-precision", "bf16", "--json", "--quiet")
     assert res.exit_code == 0, res.output
     record = json.loads(res.stdout)["matmul_precision"]
     assert record["precision"] == "bf16" and record["function"] == BF16_GEMM and record["kernels"] >= 5
-    assert BF16_GEMM.encode() in (out / "model.so").read_bytes()
-    backend, exact = TvmBackend(out), TvmBackend(tvm_artifact[1])
-    short = compare(exact, backend, decode_steps=2, prompts=PROMPTS)
-    assert all(r["max_abs"] == 0 for r in short), [r for r in short if r["max_abs"] != 0][:3]
-    model = tiny_export[0]
-    long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
-    prompts = [long, long[:9]]
-    reference = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()),
-                                                  _bf16_inputs_eager(copy.deepcopy(model)), prompts=prompts))
-    got = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()), backend, prompts=prompts))
-    assert ATOL < got <= 2 * reference, (got, reference)
+    assert record["min_rows"] == 1
+    assert all(BF16_GEMM.encode() in (out / lib).read_bytes() for lib in ("model.so", "decode.so"))
+    backend, model = TvmBackend(out), tiny_export[0]
+    prompts = [*PROMPTS, [(7 * i) % 250 + 3 for i in range(40)]]  # 40 rows: past the few-row path
+    for batch in (prompts, prompts[:1]):  # a batch, and one prompt: the decode library's step
+        reference = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()),
+                                                      _bf16_inputs_eager(copy.deepcopy(model)), prompts=batch,
+                                                      decode_steps=2))
+        got = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()), backend, prompts=batch,
+                                                decode_steps=2))
+        assert ATOL < got <= 2 * reference, (len(batch), got, reference)
     tokens = generate(EagerBackend(model), prompts, 16).tokens
     assert generate(backend, prompts, 16).tokens == tokens
+    assert generate(backend, prompts[:1], 16).tokens == generate(EagerBackend(model), prompts[:1], 16).tokens
     ids = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
     doc = _generate_without_torch(out, *ids, "--max-new-tokens", 16)
     assert doc["runtime"] == "torch-free" and doc["tokens"] == tokens
     one_line_error(run("compile", tiny_export[1], "-o", tmp_path / "gpu", "--target", "opencl", "--matmul-precision",
                        "bf16"), "applies to the CPU")
+    one_line_error(run("compile", tiny_export[1], "-o", tmp_path / "tuned", "--tune", "4", "--matmul-precision",
+                       "bf16"), "meta_schedule cannot build")
+    assert not (tmp_path / "tuned").exists()
 
 
 @pytest.mark.parametrize("damage,msg", [

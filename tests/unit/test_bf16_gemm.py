@@ -1,7 +1,9 @@
 """The bf16 GEMM (targets/bf16_gemm.c) that `compile --matmul-precision bf16` links into a CPU library, against
 numpy in float64 over the activations that ml_dtypes rounds to bf16 (round to nearest even: an independent
-rounding), through the kernel the CPU schedule gives a packed dense matmul (targets/llvm.py): from HOST_GEMM_ROWS
-rows on it calls the C function, below that its own fp32 loops, which keep fp32's bound."""
+rounding), through the kernel the CPU schedule gives a packed dense matmul (targets/llvm.py): at every row count,
+symbolic (the library's functions) or static (the decode library's step), it calls the C function, whose path
+for up to STREAM_ROWS rows (the panel's pairs interleaved in registers as it streams) and past them (an interleaved
+copy of each panel first) are both covered."""
 
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from k3compile.targets.llvm import (  # noqa: E402
     BF16_GEMM_ATTR,
     BF16_GEMM_FEATURE,
     HOST_GEMM,
-    HOST_GEMM_ROWS,
     bf16_gemm_object,
     schedule_func,
 )
@@ -33,26 +34,26 @@ pytestmark = pytest.mark.skipif(not resolve("llvm").has_feature(BF16_GEMM_FEATUR
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    """k -> the packed dense matmul over symbolic rows and K = k, N = 128, scheduled with the bf16 GEMM's branch
-    and linked with the C object into a library written to disk and loaded, as compile builds one."""
+    """(k, rows) -> the packed dense matmul over K = k, N = 128 and `rows` rows (None: symbolic), scheduled with
+    the bf16 GEMM and linked with the C object into a library written to disk and loaded, as compile builds one."""
     from k3compile.passes.pack_dense_weights import packed_matmul_te
     from tvm import te
 
     folder = tmp_path_factory.mktemp("bf16")
     made = {}
 
-    def make(k: int):
-        if k not in made:
-            m = te.var("m", "int64")
+    def make(k: int, rows: int | None = None):
+        if (k, rows) not in made:
+            m = te.var("m", "int64") if rows is None else rows
             x = te.placeholder((m, k), "float32", name="x")
             wp = te.placeholder((2, k, 64), "uint16", name="wp")
             func = schedule_func(te.create_prim_func([x, wp, packed_matmul_te(x, wp, 64)]), bf16_gemm=True)
             assert func.attrs[BF16_GEMM_ATTR] and HOST_GEMM not in func.script()
-            path = folder / f"k{k}.so"
+            path = folder / f"k{k}_{rows}.so"
             tvm.compile(tvm.IRModule({"main": func}), target=resolve("llvm").tvm()).export_library(
                 str(path), addons=[bf16_gemm_object(folder)])
-            made[k] = tvm.runtime.load_module(str(path))["main"]
-        return made[k]
+            made[k, rows] = tvm.runtime.load_module(str(path))["main"]
+        return made[k, rows]
 
     return make
 
@@ -81,12 +82,16 @@ def _bf16(x):
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-@settings(max_examples=examples(20), deadline=None)
-@given(rows=st.integers(HOST_GEMM_ROWS, HOST_GEMM_ROWS + 13), k=st.sampled_from([1, 31, 96]),
+STREAM_ROWS = 128  # targets/bf16_gemm.c: up to this many rows the panels stream, past it they are copied first
+
+
+@settings(max_examples=examples(24), deadline=None)
+@given(rows=st.integers(1, 20) | st.integers(STREAM_ROWS - 6, STREAM_ROWS + 13), k=st.sampled_from([1, 31, 96]),
        seed=st.integers(0, 2 ** 16))
-def test_from_host_gemm_rows_on_the_products_are_of_bf16_activations(kernels, rows, k, seed):
-    """Every row (the 6-row tiles' tails included) and an odd K: within fp32's bound of the float64 product of the
-    bf16-rounded activations, and (K > 1, random data) outside it for the fp32 activations: the rounding happened."""
+def test_every_row_count_multiplies_bf16_activations(kernels, rows, k, seed):
+    """Every row (the streamed path and the interleaved copy's, the 6-row tiles' tails included) and an odd K:
+    within fp32's bound of the float64 product of the bf16-rounded activations, and (K > 1, random data) outside
+    it for the fp32 activations: the rounding happened."""
     x, panels, w64 = _operands(np.random.default_rng(seed), rows, k)
     got = _run(kernels(k), x, panels)
     assert _within(got, _bf16(x), w64).all()
@@ -94,23 +99,25 @@ def test_from_host_gemm_rows_on_the_products_are_of_bf16_activations(kernels, ro
         assert not _within(got, x, w64).all()
 
 
-def test_below_host_gemm_rows_the_kernel_keeps_fp32(kernels):
-    """Decode and short prompts: the kernel's own loops, the fp32 activations (what the default build computes)."""
-    rng = np.random.default_rng(1)
-    for rows in (1, 7, HOST_GEMM_ROWS - 1):
-        x, panels, w64 = _operands(rng, rows, 96)
-        assert _within(_run(kernels(96), x, panels), x, w64).all(), rows
+@pytest.mark.parametrize("rows", [1, 8])
+def test_static_rows_call_it_too(kernels, rows):
+    """The decode library's functions have static rows (batch 1): they call the C function as well, so a row's
+    logits never depend on the batch it decodes in."""
+    x, panels, w64 = _operands(np.random.default_rng(rows), rows, 96)
+    got = _run(kernels(96, rows), x, panels)
+    assert _within(got, _bf16(x), w64).all() and not _within(got, x, w64).all()
 
 
-def test_a_non_finite_activation_reaches_its_row_only(kernels):
+@pytest.mark.parametrize("rows", [4, STREAM_ROWS + 2])
+def test_a_non_finite_activation_reaches_its_row_only(kernels, rows):
     """A NaN or an infinity in one row's activations makes that row's outputs non-finite (bf16 keeps both), and
-    leaves every other row as it was."""
-    x, panels, w64 = _operands(np.random.default_rng(2), HOST_GEMM_ROWS + 2, 96)
-    x[3, 5], x[HOST_GEMM_ROWS + 1, 0] = np.nan, np.inf
+    leaves every other row as it was, on both paths."""
+    x, panels, w64 = _operands(np.random.default_rng(2), rows, 96)
+    x[1, 5], x[rows - 1, 0] = np.nan, np.inf
     got = _run(kernels(96), x, panels)
-    assert np.isnan(got[3]).all() and not np.isfinite(got[HOST_GEMM_ROWS + 1]).any()
+    assert np.isnan(got[1]).all() and not np.isfinite(got[rows - 1]).any()
     rest = np.ones(len(x), bool)
-    rest[[3, HOST_GEMM_ROWS + 1]] = False
+    rest[[1, rows - 1]] = False
     assert _within(got[rest], _bf16(x[rest]), w64).all()
 
 
