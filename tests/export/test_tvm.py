@@ -342,7 +342,7 @@ def test_bf16_matmul_precision_rounds_the_dense_activations(tiny_export, tmp_pat
     assert record["min_rows"] == 1
     assert all(BF16_GEMM.encode() in (out / lib).read_bytes() for lib in ("model.so", "decode.so"))
     backend, model = TvmBackend(out), tiny_export[0]
-    prompts = [*PROMPTS, [(7 * i) % 250 + 3 for i in range(40)]]  # 40 rows: past the few-row path
+    prompts = [*PROMPTS, [(7 * i) % 250 + 3 for i in range(40)]]  # 40 rows: several 6-row passes, rounded in parallel
     for batch in (prompts, prompts[:1]):  # a batch, and one prompt: the decode library's step
         reference = max(r["max_abs"] for r in compare(EagerBackend(model, Forms.exported()),
                                                       _bf16_inputs_eager(copy.deepcopy(model)), prompts=batch,
