@@ -478,7 +478,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     from k3compile.llama_bench import LlamaBench
     from k3compile.manifest import WEIGHTS, read_manifest
     from k3compile.presets import load_config
-    from k3compile.targets import resolve
+    from k3compile.targets import cpu_record, resolve
     from k3compile.threads import available_cores, use_threads
 
     check_run(load_config(source), backends, decode_batches, decode_steps, prefill, decode_past=decode_past)
@@ -511,7 +511,7 @@ def run_bench(source: str = "k3-small", backends: tuple[str, ...] = BACKENDS, th
     result: dict = {
         "source": source, "threads": threads, "repeats": repeats, "target": manifest["tvm_target"],
         "dense_weights": manifest.get("dense_weights", "fp32"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": available_cores()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_record(), "cores": available_cores()},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "tvm": tvm.__version__},
         "load": load, "decode": {}, "prefill": {},
         "devices": {name: e.describe() for name, e in engines.items() if name in (*DEVICE_BACKENDS, LLAMA)},
@@ -629,6 +629,7 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
     from k3compile.runtime.worker import Options
     from k3compile.sharding import Mesh, PlanError, make_plan
     from k3compile.sharding.cost import COLLECTIVES
+    from k3compile.targets import cpu_record
     from k3compile.threads import available_cores
 
     step = progress or (lambda msg: None)
@@ -672,7 +673,7 @@ def run_mesh_bench(source: str, meshes: tuple[str, ...], batch: int = 4, steps: 
                      "plan_bytes_per_token": planned,  # the all-to-all's: expected under uniform routing
                      "bytes_per_token_by_rank": [r["bytes_per_token"] for r in ranks]}
     return {"source": source, "batch": batch, "decode_steps": steps, "repeats": repeats,
-            "machine": {"platform": platform.platform(), "cores": available_cores()},
+            "machine": {"platform": platform.platform(), "cpu": cpu_record(), "cores": available_cores()},
             "versions": {"torch": torch.__version__, "tvm": tvm.__version__}, "meshes": rows}
 
 

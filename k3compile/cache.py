@@ -33,18 +33,24 @@ def cache_root() -> Path:
     return cachedir.root()
 
 
-@functools.cache
-def _code_digest() -> str:
-    """sha256 over k3compile's own source files (passes and targets included): a changed kernel or schedule is
-    another entry even where the version number did not move."""
+def code_files() -> list[tuple[Path, Path]]:
+    """k3compile's own source files as (package folder, file), in a fixed order: its Python (passes and targets
+    included) and the C kernel a CPU library links (targets/bf16_gemm.c)."""
     import k3compile
     from k3compile import passes, targets
 
+    return [(root, f) for root in sorted({Path(m.__file__).parent for m in (k3compile, passes, targets)})  # a set's
+            for f in sorted(f for f in root.rglob("*") if f.suffix in (".py", ".c"))]  # order varies by process
+
+
+@functools.cache
+def _code_digest() -> str:
+    """sha256 over code_files(): a changed kernel or schedule is another entry even where the version number did not
+    move."""
     digest = hashlib.sha256()
-    for root in sorted({Path(m.__file__).parent for m in (k3compile, passes, targets)}):  # a set's order varies
-        for f in sorted(root.rglob("*.py")):
-            digest.update(str(f.relative_to(root)).encode())
-            digest.update(f.read_bytes())
+    for root, f in code_files():
+        digest.update(str(f.relative_to(root)).encode())
+        digest.update(f.read_bytes())
     return digest.hexdigest()
 
 

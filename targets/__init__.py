@@ -55,10 +55,23 @@ def host_record() -> dict | None:
             "cores": os.cpu_count() or 1}
 
 
+def cpu_record() -> dict:
+    """This CPU for a benchmark's record (the machine a session gets varies): its name and id as /proc/cpuinfo gives
+    them and which of the matmul kernels' vector features it has (docs/toolchain.md, "CPU schedules"); {} without
+    /proc/cpuinfo."""
+    info = _cpuinfo()
+    if info is None:
+        return {}
+    flags = set(info["flags"].split())
+    return {"name": info.get("model name", "?"), "id": " ".join(info.get(k, "?") for k in ("vendor_id", "cpu family",
+                                                                                            "model")),
+            "features": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]}
+
+
 @functools.cache
 def _cpuinfo() -> dict[str, str] | None:
-    """The vendor, family, model and flags of the first processor /proc/cpuinfo lists (read once); None where there
-    is no /proc/cpuinfo or it gives no flags."""
+    """The vendor, family, model, model name and flags of the first processor /proc/cpuinfo lists (read once); None
+    where there is no /proc/cpuinfo or it gives no flags."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -69,7 +82,7 @@ def _cpuinfo() -> dict[str, str] | None:
                     if fields:
                         break  # the first processor's block is read
                     continue
-                if key in ("vendor_id", "cpu family", "model", "flags") and key not in fields:
+                if key in ("vendor_id", "cpu family", "model", "model name", "flags") and key not in fields:
                     fields[key] = value.strip()
     except OSError:
         return None

@@ -17,11 +17,19 @@
  * rows x 64 columns in 24 registers at a time. Up to STREAM_ROWS rows (a decode step, a short prompt) there is no
  * interleaved copy: each pair is interleaved in registers as the panel streams in (a vpermt2w per 16 pairs), one
  * pass per 6 rows, the later ones finding the panel in L2 (measured: docs/toolchain.md); up to 12 rows the caller's
- * thread rounds them, where a launch would cost more. Returns 0, or -1 with TVM's last error set (memory). */
+ * thread rounds them, where a launch would cost more.
+ *
+ * Where the CPU has AMX-BF16 (Intel's tile unit: Sapphire Rapids and later) and Linux grants the process its tile
+ * state, from AMX_MIN_ROWS rows the panels go through AMX instead (amx_panel): tdpbf16ps computes the same exact
+ * products, 16 x 16 x 32 of them an instruction, summed in fp32. Returns 0, or -1 with TVM's last error set
+ * (memory). */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef struct {
   void *sync_handle;
@@ -34,23 +42,32 @@ extern void TVMFFIErrorSetRaisedFromCStr(const char *kind, const char *message);
 #define PANEL 64 /* columns per panel: targets/llvm.py PANEL */
 #define ROWS 6   /* rows per register tile: 6 x 4 accumulators, 4 panel vectors, 1 broadcast of 32 registers */
 #define STREAM_ROWS 128 /* up to this many rows no interleaved copy of a panel: each pair interleaved as it streams */
+#define AMX_ROWS 32     /* rows per AMX block: two A tiles of 16 rows */
+#define AMX_PAIRS 16    /* k pairs per AMX tile step: a tile row of 64 bytes */
+#define AMX_BLOCK 128   /* k pairs per pass over a panel's rows: 32 KiB of the interleaved panel, kept in L1 */
+#define AMX_MIN_ROWS 4  /* from this many rows the kernel multiplies with AMX where the CPU has it */
+#ifndef PREFETCH
+#define PREFETCH 8192   /* bytes ahead of the pair being read that pair_vectors asks the memory for */
+#endif
 
 typedef struct {
   const float *x;
   const uint16_t *wp;
   float *y;
-  uint32_t *xb; /* [rows, k2]: x's bf16 values, two of k a word (the low half the even k) */
+  uint32_t *xb; /* [rows, ldx]: x's bf16 values, two of k a word (the low half the even k), 0 past k */
   int64_t rows, k, k2, groups;
+  int64_t ldx;  /* xb's row stride in words: k2, rounded up to AMX_PAIRS for AMX (which also pads its rows) */
+  int amx;      /* the panels go through AMX (panels_amx) */
   int failed;
 } Job;
 
-/* Rows [r0, r1) of x rounded into xb; an odd K's last word has 0 in its high half. */
+/* Rows [r0, r1) of x rounded into xb; an odd K's last word has 0 in its high half, and the words past it are 0. */
 static int round_rows(int task, TVMParallelGroupEnv *env, void *data) {
   Job *job = (Job *)data;
   int64_t r0 = job->rows * task / env->num_task, r1 = job->rows * (task + 1) / env->num_task;
   for (int64_t r = r0; r < r1; r++) {
     const float *src = job->x + r * job->k;
-    uint16_t *dst = (uint16_t *)(job->xb + r * job->k2);
+    uint16_t *dst = (uint16_t *)(job->xb + r * job->ldx);
     int64_t i = 0;
     for (; i + 16 <= job->k; i += 16)
       _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
@@ -58,46 +75,24 @@ static int round_rows(int task, TVMParallelGroupEnv *env, void *data) {
       __mmask16 m = (__mmask16)((1u << (job->k - i)) - 1);
       _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
     }
-    if (job->k & 1)
-      dst[job->k] = 0;
+    memset(dst + job->k, 0, (size_t)(2 * job->ldx - job->k) * sizeof(uint16_t));
   }
   return 0;
 }
 
-/* y[row0 .. row0 + R, 64 columns] = xb rows . wv (the interleaved panel), R a constant after inlining. */
-static inline __attribute__((always_inline)) void tile(const int R, const uint32_t *xb, int64_t k2,
-                                                       const uint32_t *wv, float *y, int64_t ldy) {
-  __m512 acc[ROWS][4];
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++)
-      acc[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k2; p++) {
-    __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv + p * PANEL);
-    __m512bh w1 = (__m512bh)_mm512_loadu_si512(wv + p * PANEL + 16);
-    __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + p * PANEL + 32);
-    __m512bh w3 = (__m512bh)_mm512_loadu_si512(wv + p * PANEL + 48);
-    for (int r = 0; r < R; r++) {
-      __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * k2 + p]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++)
-      _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
-}
-
 /* The four vectors of k pair p of a raw panel w ([K, 64] bf16 bits) in the layout vdpbf16ps reads: lane c of
  * vector i holds w[2p, 16i + c] in its low half and w[2p + 1, 16i + c] (0 past an odd K's end) in its high half.
- * One vpermt2w a vector picks the 16 pairs from the two rows' 32 columns. */
+ * One vpermt2w a vector picks the 16 pairs from the two rows' 32 columns. The four cache lines PREFETCH bytes
+ * ahead are asked for as it goes: the weights stream from memory, and the hardware's prefetch alone left a 1-row
+ * decode matmul at ~2/3 of the read bandwidth (docs/toolchain.md). */
 static inline __attribute__((always_inline)) void pair_vectors(const uint16_t *w, int64_t p, int64_t k,
                                                               __m512bh v[4]) {
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const uint16_t *even = w + 2 * p * PANEL;
+  for (int line = 0; line < 4; line++) /* a prefetch past the matrix's end is dropped, never a fault */
+    _mm_prefetch((const char *)even + PREFETCH + 64 * line, _MM_HINT_T0);
   for (int h = 0; h < 2; h++) {
     __m512i e = _mm512_loadu_si512(even + 32 * h);
     __m512i o = 2 * p + 1 < k ? _mm512_loadu_si512(even + PANEL + 32 * h) : _mm512_setzero_si512();
@@ -106,19 +101,26 @@ static inline __attribute__((always_inline)) void pair_vectors(const uint16_t *w
   }
 }
 
-/* tile() for R <= ROWS rows reading the raw panel w, each pair interleaved in registers as it streams in: a
- * decode step's few rows, for which interleaving the panel into memory first would cost a second pass over it. */
-static inline __attribute__((always_inline)) void tile_stream(const int R, const uint32_t *xb, int64_t k2,
-                                                              const uint16_t *w, int64_t k, float *y, int64_t ldy) {
+/* y[R rows, 64 columns] = the job's R rows from xb . one panel, R <= ROWS and `stream` constants after inlining.
+ * The panel is `wv`, interleaved already (wv[p, c] = w[2p, c] | w[2p + 1, c] << 16), or with `stream` the raw
+ * panel `w` ([K, 64] bf16 bits), each pair interleaved in registers as it streams in: a decode step's few rows, for
+ * which interleaving the panel into memory first would cost a second pass over it. */
+static inline __attribute__((always_inline)) void tile(const int R, const int stream, const Job *job,
+                                                       const uint32_t *xb, const uint32_t *wv, const uint16_t *w,
+                                                       float *y, int64_t ldy) {
   __m512 acc[ROWS][4];
   __m512bh v[4];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < 4; c++)
       acc[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k2; p++) {
-    pair_vectors(w, p, k, v);
+  for (int64_t p = 0; p < job->k2; p++) {
+    if (stream)
+      pair_vectors(w, p, job->k, v);
+    else
+      for (int c = 0; c < 4; c++)
+        v[c] = (__m512bh)_mm512_loadu_si512(wv + p * PANEL + 16 * c);
     for (int r = 0; r < R; r++) {
-      __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * k2 + p]);
+      __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * job->ldx + p]);
       for (int c = 0; c < 4; c++)
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, v[c]);
     }
@@ -128,32 +130,176 @@ static inline __attribute__((always_inline)) void tile_stream(const int R, const
       _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
 }
 
+/* One panel's 64 columns of y for rows [m0, rows) of the job, ROWS at a time (tile's arguments). */
+static inline __attribute__((always_inline)) void panel_rows(const int stream, const Job *job,
+                                                             const uint32_t *wv, const uint16_t *w, float *out) {
+  int64_t ldy = job->groups * PANEL;
+  for (int64_t m = 0; m < job->rows; m += ROWS) {
+    const uint32_t *xb = job->xb + m * job->ldx;
+    float *ym = out + m * ldy;
+    switch (job->rows - m < ROWS ? job->rows - m : ROWS) {
+      case 6: tile(6, stream, job, xb, wv, w, ym, ldy); break;
+      case 5: tile(5, stream, job, xb, wv, w, ym, ldy); break;
+      case 4: tile(4, stream, job, xb, wv, w, ym, ldy); break;
+      case 3: tile(3, stream, job, xb, wv, w, ym, ldy); break;
+      case 2: tile(2, stream, job, xb, wv, w, ym, ldy); break;
+      default: tile(1, stream, job, xb, wv, w, ym, ldy); break;
+    }
+  }
+}
+
 /* Panels [g0, g1) of the job for at most STREAM_ROWS rows: each panel streamed once per ROWS rows (later passes
  * find it in L2), nothing written but y. */
 static int panels_streamed(int task, TVMParallelGroupEnv *env, void *data) {
   Job *job = (Job *)data;
   int64_t g0 = job->groups * task / env->num_task, g1 = job->groups * (task + 1) / env->num_task;
-  int64_t ldy = job->groups * PANEL;
-  for (int64_t g = g0; g < g1; g++) {
-    const uint16_t *w = job->wp + g * job->k * PANEL;
-    float *out = job->y + g * PANEL;
-    for (int64_t m = 0; m < job->rows; m += ROWS) {
-      const uint32_t *xb = job->xb + m * job->k2;
-      float *ym = out + m * ldy;
-      switch (job->rows - m < ROWS ? job->rows - m : ROWS) {
-        case 6: tile_stream(6, xb, job->k2, w, job->k, ym, ldy); break;
-        case 5: tile_stream(5, xb, job->k2, w, job->k, ym, ldy); break;
-        case 4: tile_stream(4, xb, job->k2, w, job->k, ym, ldy); break;
-        case 3: tile_stream(3, xb, job->k2, w, job->k, ym, ldy); break;
-        case 2: tile_stream(2, xb, job->k2, w, job->k, ym, ldy); break;
-        default: tile_stream(1, xb, job->k2, w, job->k, ym, ldy); break;
-      }
-    }
-  }
+  for (int64_t g = g0; g < g1; g++)
+    panel_rows(1, job, NULL, job->wp + g * job->k * PANEL, job->y + g * PANEL);
   return 0;
 }
 
-/* Panels [g0, g1) of the job, each interleaved once into wv: wv[p, c] = wp[g, 2p, c] | wp[g, 2p + 1, c] << 16. */
+/* AMX (Intel's tile matrix unit, where the CPU has AMX-BF16 and the kernel grants this process its tile state).
+ * A tile is 16 rows of 64 bytes; tdpbf16ps multiplies a 16 x 16-pair tile of bf16 pairs (A: rows of x, in xb's
+ * layout) by a 16-pair x 16 column tile in the layout vdpbf16ps reads too (B: a slice of the interleaved panel wv)
+ * into a 16 x 16 fp32 tile, 512 products per row of C summed in fp32. Tiles 0-3 hold 32 rows x 32 columns of y,
+ * 4-5 the two A tiles, 6-7 the two B tiles. */
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((aligned(64))) TileConfig;
+
+/* 1 when this process may use AMX: the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22) and Linux grants
+ * the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once a process); 0 else, or when
+ * K3_BF16_GEMM_AMX=0 (docs/toolchain.md: to measure or test the AVX-512 path on such a CPU). */
+static int amx_usable(void) {
+  static int granted; /* 0 not asked yet, 1 granted, -1 refused */
+  const char *off = getenv("K3_BF16_GEMM_AMX");
+  if (off != NULL && strcmp(off, "0") == 0)
+    return 0;
+  int state = __atomic_load_n(&granted, __ATOMIC_ACQUIRE);
+  if (state == 0) {
+    unsigned a, b, c, d;
+    state = -1;
+#ifdef SYS_arch_prctl
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) &&
+        syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0)
+      state = 1;
+#endif
+    __atomic_store_n(&granted, state, __ATOMIC_RELEASE);
+  }
+  return state > 0;
+}
+
+/* Every tile 16 rows of 64 bytes. A constant in memory: one built on the stack faulted under GCC 12 (-O1: ldtilecfg,
+ * unaligned; -O3: the first tile instruction, as if never configured). */
+static const TileConfig AMX_CONFIG = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+__attribute__((target("amx-tile"))) static void amx_begin(void) { _tile_loadconfig(&AMX_CONFIG); }
+
+__attribute__((target("amx-tile"))) static void amx_end(void) { _tile_release(); }
+
+/* C tiles 0-1 (with `two`: 0-3) += 16 rows of a (with `two`: 32; xb's layout, from the block's first pair) . `pairs`
+ * pairs of 32 columns of the interleaved block b; zeroed first with `zero`, else loaded from c; stored to c
+ * (leading dimension ldc floats). */
+__attribute__((target("amx-tile,amx-bf16"))) static inline __attribute__((always_inline)) void amx_block(
+    const int two, const Job *job, const uint32_t *a, const uint32_t *b, int64_t pairs, int zero, float *c,
+    int64_t ldc) {
+  if (zero) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, c, ldc * 4);
+    _tile_loadd(1, c + 16, ldc * 4);
+    if (two) {
+      _tile_loadd(2, c + 16 * ldc, ldc * 4);
+      _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+    }
+  }
+  for (int64_t p = 0; p < pairs; p += AMX_PAIRS) {
+    _tile_loadd(4, a + p, job->ldx * 4);
+    _tile_loadd(6, b + p * PANEL, PANEL * 4);
+    _tile_loadd(7, b + p * PANEL + 16, PANEL * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a + 16 * job->ldx + p, job->ldx * 4);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  if (two) {
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+  }
+}
+
+/* One panel's 64 columns of y for every row, by AMX. For each AMX_BLOCK pairs of k the block of the raw panel w is
+ * interleaved into wv (32 KiB, which stays in L1; zero pairs past k2 up to a whole tile) and every 32-row block of
+ * both 32-column halves is multiplied by it, its four C tiles zeroed at the first block, else loaded from where the
+ * previous one left them: y, or for a last block of fewer than 32 rows a scratch (`tail`, 32 x 64) whose valid rows
+ * go to y at the end (xb holds zero rows up to the block's end). */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_panel(const Job *job, const uint16_t *w, uint32_t *wv,
+                                                                    float *tail, float *out) {
+  int64_t ldy = job->groups * PANEL, full = job->rows - job->rows % AMX_ROWS;
+  for (int64_t p0 = 0; p0 < job->ldx; p0 += AMX_BLOCK) {
+    int64_t p1 = p0 + AMX_BLOCK < job->ldx ? p0 + AMX_BLOCK : job->ldx;
+    for (int64_t p = p0; p < p1; p++) {
+      __m512bh v[4];
+      if (p < job->k2)
+        pair_vectors(w, p, job->k, v);
+      else
+        v[0] = v[1] = v[2] = v[3] = (__m512bh)_mm512_setzero_si512();
+      for (int c = 0; c < 4; c++)
+        _mm512_store_si512(wv + (p - p0) * PANEL + 16 * c, (__m512i)v[c]);
+    }
+    for (int h = 0; h < PANEL; h += 32) {
+      for (int64_t m = 0; m < job->rows; m += AMX_ROWS) {
+        const uint32_t *a = job->xb + m * job->ldx + p0;
+        float *c = m < full ? out + m * ldy + h : tail + h;
+        int64_t ldc = m < full ? ldy : PANEL;
+        if (job->rows - m > 16)
+          amx_block(1, job, a, wv + h, p1 - p0, p0 == 0, c, ldc);
+        else /* a last block of at most 16 rows (a decode step's): one A tile, two C tiles */
+          amx_block(0, job, a, wv + h, p1 - p0, p0 == 0, c, ldc);
+      }
+    }
+  }
+  for (int64_t r = full; r < job->rows; r++)
+    memcpy(out + r * ldy, tail + (r - full) * PANEL, PANEL * sizeof(float));
+}
+
+/* Panels [g0, g1) of the job by AMX (job->amx): amx_panel over a block buffer and a tail scratch of the thread's. */
+static int panels_amx(int task, TVMParallelGroupEnv *env, void *data) {
+  Job *job = (Job *)data;
+  int64_t g0 = job->groups * task / env->num_task, g1 = job->groups * (task + 1) / env->num_task;
+  if (g0 == g1)
+    return 0;
+  uint32_t *wv = (uint32_t *)aligned_alloc(64, (AMX_BLOCK + AMX_ROWS) * PANEL * sizeof(uint32_t));
+  if (wv == NULL) {
+    job->failed = 1;
+    return -1;
+  }
+  amx_begin();
+  for (int64_t g = g0; g < g1; g++)
+    amx_panel(job, job->wp + g * job->k * PANEL, wv, (float *)(wv + AMX_BLOCK * PANEL), job->y + g * PANEL);
+  amx_end();
+  free(wv);
+  return 0;
+}
+
+/* Panels [g0, g1) of the job, each interleaved once into wv: wv[p, c] = wp[g, 2p, c] | wp[g, 2p + 1, c] << 16, then
+ * multiplied by every row. */
 static int panels(int task, TVMParallelGroupEnv *env, void *data) {
   Job *job = (Job *)data;
   int64_t g0 = job->groups * task / env->num_task, g1 = job->groups * (task + 1) / env->num_task;
@@ -164,7 +310,6 @@ static int panels(int task, TVMParallelGroupEnv *env, void *data) {
     job->failed = 1;
     return -1;
   }
-  int64_t ldy = job->groups * PANEL;
   for (int64_t g = g0; g < g1; g++) {
     const uint16_t *w = job->wp + g * job->k * PANEL;
     for (int64_t p = 0; p < job->k2; p++) {
@@ -173,18 +318,7 @@ static int panels(int task, TVMParallelGroupEnv *env, void *data) {
       for (int c = 0; c < 4; c++)
         _mm512_storeu_si512(wv + p * PANEL + 16 * c, (__m512i)v[c]);
     }
-    float *out = job->y + g * PANEL;
-    int64_t m = 0;
-    for (; m + ROWS <= job->rows; m += ROWS)
-      tile(ROWS, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy);
-    switch (job->rows - m) {
-      case 5: tile(5, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy); break;
-      case 4: tile(4, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy); break;
-      case 3: tile(3, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy); break;
-      case 2: tile(2, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy); break;
-      case 1: tile(1, job->xb + m * job->k2, job->k2, wv, out + m * ldy, ldy); break;
-      default: break;
-    }
+    panel_rows(0, job, wv, NULL, job->y + g * PANEL);
   }
   free(wv);
   return 0;
@@ -193,8 +327,11 @@ static int panels(int task, TVMParallelGroupEnv *env, void *data) {
 int32_t k3_bf16_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows, int64_t k, int64_t groups) {
   if (rows <= 0 || groups <= 0)
     return 0;
-  Job job = {x, wp, y, NULL, rows, k, (k + 1) / 2, groups, 0};
-  job.xb = (uint32_t *)aligned_alloc(64, (size_t)((rows * job.k2 * sizeof(uint32_t) + 63) / 64 * 64));
+  int64_t k2 = (k + 1) / 2;
+  int amx = rows >= AMX_MIN_ROWS && amx_usable();
+  Job job = {x, wp, y, NULL, rows, k, k2, groups, amx ? (k2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS : k2, amx, 0};
+  int64_t padded = amx ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows; /* AMX reads whole 32-row blocks */
+  job.xb = (uint32_t *)aligned_alloc(64, (size_t)((padded * job.ldx * sizeof(uint32_t) + 63) / 64 * 64));
   if (job.xb == NULL) {
     TVMFFIErrorSetRaisedFromCStr("MemoryError", "k3_bf16_gemm: no memory for the rounded activations");
     return -1;
@@ -205,7 +342,8 @@ int32_t k3_bf16_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows,
   } else {
     TVMBackendParallelLaunch(round_rows, &job, 0);
   }
-  TVMBackendParallelLaunch(rows <= STREAM_ROWS ? panels_streamed : panels, &job, 0);
+  memset(job.xb + rows * job.ldx, 0, (size_t)(padded - rows) * job.ldx * sizeof(uint32_t));
+  TVMBackendParallelLaunch(amx ? panels_amx : rows <= STREAM_ROWS ? panels_streamed : panels, &job, 0);
   free(job.xb);
   if (job.failed) {
     TVMFFIErrorSetRaisedFromCStr("MemoryError", "k3_bf16_gemm: no memory for a panel's interleaved copy");

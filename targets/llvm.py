@@ -279,6 +279,14 @@ def _schedule_transpose(sch, block, m: int) -> None:
         sch.vectorize(ni)
 
 
+def _static_rows(y) -> bool:
+    """Whether every row dimension of the matmul output buffer `y` (all but its last) is a constant: a decode
+    library's step, not the prefill library's symbolic rows."""
+    import tvm
+
+    return all(isinstance(d, tvm.tirx.IntImm) for d in y.shape[:-1])
+
+
 def _host_gemm_operands(sch, block, static_rows: bool = False):
     """(x, wp, y) when `block` is the plain packed dense matmul y[r..., j] = sum_k x[r..., k] * wp[j // P, k, j % P]
     over rows of which some are symbolic, or any rows with `static_rows` (the host GEMM and the bf16 GEMM read the
@@ -297,7 +305,7 @@ def _host_gemm_operands(sch, block, static_rows: bool = False):
             panels = sch.get(producer).reads[0].source  # the stored bf16 bits, which the host GEMM widens itself
     if x.source.dtype != "float32" or panels.dtype not in ("float32", "uint16") or len(panels.shape) != 3:
         return None
-    if not static_rows and all(isinstance(d, tvm.tirx.IntImm) for d in y.source.shape):
+    if not static_rows and _static_rows(y.source):
         return None  # static rows: a decode library's step, which the kernel serves
     analyzer = tvm.sym.Analyzer()
 
@@ -335,7 +343,7 @@ def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bo
         call = tvm.tirx.IfThenElse(status != 0, tvm.tirx.Evaluate(
             tvm.tirx.call_intrin("int32", "tirx.tvm_throw_last_error")), None)  # raised as a packed call's error is
         seq[at[0]], mark = call, BF16_GEMM_ATTR  # every row: a step's bits never depend on its batch
-    elif host_gemm and not all(isinstance(d, tvm.tirx.IntImm) for d in y.shape[:-1]):
+    elif host_gemm and not _static_rows(y):
         call, mark = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), HOST_GEMM_ATTR
         seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
     else:

@@ -12,6 +12,7 @@ import click
 from k3compile.bench import BACKENDS, LLAMA, MAX_REPEATS
 from k3compile.cli.common import DISPATCH_FLAGS, IntRange, dumps, name_list, status, user_errors
 from k3compile.errors import UserError
+from k3compile.targets import MATMUL_PRECISIONS
 
 MAX_SIZE = 2**31 - 1  # every size (docs/architecture.md, "Errors")
 _POSITIVE = re.compile(r"\s*0*[1-9][0-9]{0,9}\s*")  # ASCII digits only: int() would also take "1_0" and "２"
@@ -135,10 +136,14 @@ def _write_new(path: str, write: Callable[[Path], None]) -> None:
               help="With --serve: concurrent streaming clients (and the server's --max-batch).")
 @click.option("--serve-tokens", default=64, show_default=True, type=IntRange(2, MAX_SIZE),
               help="With --serve: tokens each client's request generates.")
+@click.option("--matmul-precision", "matmul_precision", type=click.Choice(MATMUL_PRECISIONS), default="fp32",
+              show_default=True,
+              help="With --serve: the llvm artifact built into the cache compiled with this precision (`compile "
+                   "--matmul-precision`); elsewhere the backend tvm-bf16 is the bf16 build.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
 def command(source, backends, threads, repeats, decode_batches, decode_steps, prefill, decode_past, target, json_path,
             png_path, meshes, dispatches, micro_batches, wires, llama_bench, gguf, allow_busy, serve, serve_prefix,
-            serve_suffix, serve_clients, serve_tokens, quiet):
+            serve_suffix, serve_clients, serve_tokens, matmul_precision, quiet):
     """Measure SOURCE (default k3-small) on eager torch, onnxruntime and TVM (and the OpenCL / WebGPU executors, when
     named)
     in one run: decode and prefill tokens/s (interleaved repetitions, medians, ratios to eager), the MXFP4 expert
@@ -153,6 +158,9 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
         raise click.UsageError("--llama-bench and --gguf go together")
     if meshes and llama_bench:
         raise click.UsageError("--llama-bench does not apply to --mesh")
+    if matmul_precision != "fp32" and (not serve or meshes):
+        raise click.UsageError("--matmul-precision applies to --serve on a single artifact (without --serve, the "
+                               "backend tvm-bf16 is the bf16 build)")
     with user_errors():
         _check_new_file(json_path, "--json")
         _check_new_file(png_path, "--png")
@@ -173,7 +181,7 @@ def command(source, backends, threads, repeats, decode_batches, decode_steps, pr
                 result = run_serve_bench(source, threads, repeats, serve_prefix, serve_suffix, serve_clients,
                                          serve_tokens, progress=step, allow_busy=allow_busy,
                                          mesh=meshes[0] if meshes else None,
-                                         dispatch=DISPATCH_FLAGS[dispatches[0]])
+                                         dispatch=DISPATCH_FLAGS[dispatches[0]], matmul_precision=matmul_precision)
             if json_path is not None:
                 _write_new(json_path, lambda tmp: tmp.write_text(dumps(result, indent=2) + "\n"))
             click.echo(serve_table(result))

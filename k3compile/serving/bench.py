@@ -12,7 +12,8 @@ Repetitions are interleaved and the figures are medians. The server runs with th
 here, one of them at a time (the server is idle while `generate` runs). Requests ask `ignore_eos` (an extension
 of this server, as vLLM's), so every request generates exactly `tokens` tokens whatever the random weights pick.
 
-SOURCE is anything `serve` runs: a preset, config or checkpoint (its llvm artifact, built into the cache), a compiled
+SOURCE is anything `serve` runs: a preset, config or checkpoint (its llvm artifact, built into the cache; with
+`matmul_precision` "bf16" compiled as `compile --matmul-precision bf16` compiles it), a compiled
 artifact, or a sharded OUT (`export --mesh`; with `mesh`, SOURCE's sharded artifact built into the cache). A
 sharded OUT's server and `generate` here each start its ranks (backends/sharded.py; one set idles while the other
 runs), each rank with `threads` threads, or by default the machine's cores over the ranks (`run`'s rule).
@@ -89,7 +90,7 @@ def _decode_rate(times: list[float]) -> float:
 def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeats: int = 3, prefix: int = 2048,
                     suffix: int = 32, clients: int = 8, tokens: int = 64, cache_block: int = 256,
                     progress: Callable[[str], None] | None = None, allow_busy: bool = False,
-                    mesh: str | None = None, dispatch: str = "all_reduce") -> dict:
+                    mesh: str | None = None, dispatch: str = "all_reduce", matmul_precision: str = "fp32") -> dict:
     import asyncio
 
     import httpx
@@ -98,9 +99,10 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     from k3compile.bench import _quiet
     from k3compile.cache import cached_artifact, cached_sharded
     from k3compile.generate import generate
-    from k3compile.manifest import is_sharded
+    from k3compile.manifest import is_sharded, read_manifest
     from k3compile.presets import load_config
     from k3compile.source import ARTIFACT, kind_of
+    from k3compile.targets import cpu_record
     from k3compile.threads import available_cores, use_threads
 
     step = progress or (lambda msg: None)
@@ -116,9 +118,15 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
         if kind_of(source) == ARTIFACT:
             raise ServeBenchError(f"--mesh builds SOURCE's sharded artifact; {source} is compiled already")
         make_plan(cfg, Mesh.parse(mesh), dispatch)  # a mesh the model does not split: refused before any build
+    if matmul_precision != "fp32" and (mesh is not None or kind_of(source) == ARTIFACT):
+        raise ServeBenchError(f"--matmul-precision builds SOURCE's artifact; {source} is "
+                              + ("compiled already" if mesh is None else "sharded (--mesh)"))
     artifact = (str(cached_sharded(source, mesh, progress=step, dispatch=dispatch)) if mesh is not None
-                else source if kind_of(source) == ARTIFACT else str(cached_artifact(source, progress=step)))
+                else source if kind_of(source) == ARTIFACT
+                else str(cached_artifact(source, progress=step, matmul_precision=matmul_precision)))
     sharded = is_sharded(artifact)
+    if not sharded:  # what the artifact was compiled with (an OUT given as SOURCE: its own)
+        matmul_precision = (read_manifest(artifact).get("matmul_precision") or {}).get("precision", "fp32")
     if sharded:  # each rank's threads: as given, or the cores over the ranks (None: run's rule)
         threads = threads and use_threads(threads)
     else:
@@ -188,6 +196,7 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "source": source, "artifact": artifact, "backend": backend.name, "threads": threads, "repeats": repeats,
+        "matmul_precision": matmul_precision, "machine": {"cpu": cpu_record(), "cores": available_cores()},
         "prefix": prefix,
         "suffix": suffix, "clients": clients, "tokens": tokens, "cache_block": cache_block,
         "runs": rows, "medians": med,

@@ -1,11 +1,15 @@
 """The bf16 GEMM (targets/bf16_gemm.c) that `compile --matmul-precision bf16` links into a CPU library, against
 numpy in float64 over the activations that ml_dtypes rounds to bf16 (round to nearest even: an independent
 rounding), through the kernel the CPU schedule gives a packed dense matmul (targets/llvm.py): at every row count,
-symbolic (the library's functions) or static (the decode library's step), it calls the C function, whose path
-for up to STREAM_ROWS rows (the panel's pairs interleaved in registers as it streams) and past them (an interleaved
-copy of each panel first) are both covered."""
+symbolic (the library's functions) or static (the decode library's step), it calls the C function, whose paths
+are all covered: up to STREAM_ROWS rows the panel's pairs interleaved in registers as it streams, past them an
+interleaved copy of each panel first, and on a CPU with AMX-BF16 from AMX_MIN_ROWS rows that copy multiplied by
+AMX tiles (both with AMX and without it there)."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -83,17 +87,28 @@ def _bf16(x):
 
 
 STREAM_ROWS = 128  # targets/bf16_gemm.c: up to this many rows the panels stream, past it they are copied first
+AMX_MIN_ROWS = 64  # targets/bf16_gemm.c: from this many rows the copy path uses AMX where the CPU has it
+AMX_BLOCK = 128  # targets/bf16_gemm.c: k pairs per AMX pass (K past 256 accumulates over passes)
+
+
+def _amx(on: bool):
+    """The kernel's AMX path allowed (where the CPU has AMX-BF16) or not (K3_BF16_GEMM_AMX=0, read at each call):
+    on such a CPU both the AMX path and the AVX-512 copy path run; elsewhere both are the AVX-512 one."""
+    return mock.patch.dict(os.environ, {"K3_BF16_GEMM_AMX": "1" if on else "0"})
 
 
 @settings(max_examples=examples(24), deadline=None)
-@given(rows=st.integers(1, 20) | st.integers(STREAM_ROWS - 6, STREAM_ROWS + 13), k=st.sampled_from([1, 31, 96]),
-       seed=st.integers(0, 2 ** 16))
-def test_every_row_count_multiplies_bf16_activations(kernels, rows, k, seed):
-    """Every row (the streamed path and the interleaved copy's, the 6-row tiles' tails included) and an odd K:
-    within fp32's bound of the float64 product of the bf16-rounded activations, and (K > 1, random data) outside
-    it for the fp32 activations: the rounding happened."""
+@given(rows=st.integers(1, 20) | st.integers(AMX_MIN_ROWS - 3, AMX_MIN_ROWS + 3)
+       | st.integers(STREAM_ROWS - 6, STREAM_ROWS + 13), k=st.sampled_from([1, 31, 96, 2 * AMX_BLOCK + 45]),
+       amx=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_every_row_count_multiplies_bf16_activations(kernels, rows, k, amx, seed):
+    """Every row (the streamed path, the interleaved copy's and AMX's where the CPU has it, the 6-row tiles' and
+    32-row blocks' tails included), an odd K and one AMX accumulates over passes: within fp32's bound of the
+    float64 product of the bf16-rounded activations, and (K > 1, random data) outside it for the fp32
+    activations: the rounding happened."""
     x, panels, w64 = _operands(np.random.default_rng(seed), rows, k)
-    got = _run(kernels(k), x, panels)
+    with _amx(amx):
+        got = _run(kernels(k), x, panels)
     assert _within(got, _bf16(x), w64).all()
     if k > 1:
         assert not _within(got, x, w64).all()
@@ -108,13 +123,14 @@ def test_static_rows_call_it_too(kernels, rows):
     assert _within(got, _bf16(x), w64).all() and not _within(got, x, w64).all()
 
 
-@pytest.mark.parametrize("rows", [4, STREAM_ROWS + 2])
-def test_a_non_finite_activation_reaches_its_row_only(kernels, rows):
+@pytest.mark.parametrize("rows,amx", [(4, True), (STREAM_ROWS + 2, True), (STREAM_ROWS + 2, False)])
+def test_a_non_finite_activation_reaches_its_row_only(kernels, rows, amx):
     """A NaN or an infinity in one row's activations makes that row's outputs non-finite (bf16 keeps both), and
-    leaves every other row as it was, on both paths."""
+    leaves every other row as it was, on every path (with AMX: the NaN in a 32-row block, the inf in the tail)."""
     x, panels, w64 = _operands(np.random.default_rng(2), rows, 96)
     x[1, 5], x[rows - 1, 0] = np.nan, np.inf
-    got = _run(kernels(96), x, panels)
+    with _amx(amx):
+        got = _run(kernels(96), x, panels)
     assert np.isnan(got[1]).all() and not np.isfinite(got[rows - 1]).any()
     rest = np.ones(len(x), bool)
     rest[[1, rows - 1]] = False

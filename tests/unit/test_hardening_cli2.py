@@ -244,6 +244,23 @@ def test_bench_serve_takes_one_mesh_checked_before_its_build(no_work):
     assert r.exit_code == 2 and "--serve runs alone: one --mesh" in r.output
 
 
+def test_bench_serve_builds_the_matmul_precision_asked(no_work, monkeypatch):
+    """`bench --serve --matmul-precision bf16` serves the bf16 build of SOURCE; the option means nothing without
+    --serve (tvm-bf16 is that build there) or over a mesh, and says so before any work."""
+    asked = {}
+
+    def build(*args, **kwargs):
+        asked.update(kwargs)
+        _work()
+
+    monkeypatch.setattr("k3compile.cache.cached_artifact", build)
+    reaches_work(run("bench", "k3-tiny", "--serve", "--matmul-precision", "bf16"))
+    assert asked["matmul_precision"] == "bf16"
+    for args in (["--matmul-precision", "bf16"], ["--serve", "--mesh", "ep=2", "--matmul-precision", "bf16"]):
+        r = run("bench", *args)
+        assert r.exit_code == 2 and "--matmul-precision applies to --serve on a single artifact" in r.output
+
+
 @pytest.mark.parametrize("args,option", [
     (["--prefill", "100000"], "--prefill"),  # k3-small: 65536 positions
     (["k3-tiny", "--prefill", "65537"], "--prefill"),
