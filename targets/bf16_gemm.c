@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int st
       _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
 }
 
-/* One panel's 64 columns of y for rows [m0, rows) of the job, ROWS at a time (tile's arguments). */
+/* One panel's 64 columns of y for every row of the job, ROWS at a time (tile's arguments). */
 static inline __attribute__((always_inline)) void panel_rows(const int stream, const Job *job,
                                                              const uint32_t *wv, const uint16_t *w, float *out) {
   int64_t ldy = job->groups * PANEL;
