@@ -99,7 +99,7 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     from k3compile.bench import _quiet
     from k3compile.cache import cached_artifact, cached_sharded
     from k3compile.generate import generate
-    from k3compile.manifest import is_sharded, read_manifest
+    from k3compile.manifest import is_sharded, loose_manifest
     from k3compile.presets import load_config
     from k3compile.source import ARTIFACT, kind_of
     from k3compile.targets import cpu_record
@@ -125,8 +125,9 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
                 else source if kind_of(source) == ARTIFACT
                 else str(cached_artifact(source, progress=step, matmul_precision=matmul_precision)))
     sharded = is_sharded(artifact)
-    if not sharded:  # what the artifact was compiled with (an OUT given as SOURCE: its own)
-        matmul_precision = (read_manifest(artifact).get("matmul_precision") or {}).get("precision", "fp32")
+    if not sharded:  # what the artifact was compiled with (an OUT given as SOURCE: its own); open_backend below
+        # checks the manifest and every file's sha256, so it is read loosely here, not hashed twice
+        matmul_precision = (loose_manifest(artifact).get("matmul_precision") or {}).get("precision", "fp32")
     if sharded:  # each rank's threads: as given, or the cores over the ranks (None: run's rule)
         threads = threads and use_threads(threads)
     else:
