@@ -101,6 +101,20 @@ static inline __attribute__((always_inline)) void pair_vectors(const uint16_t *w
   }
 }
 
+/* Pairs [p0, p1) of the raw panel w interleaved into wv from its first row: wv[p - p0, c] = w[2p, c] |
+ * w[2p + 1, c] << 16, zero pairs past k2 (AMX's padding to whole tiles). */
+static void interleave(const Job *job, const uint16_t *w, int64_t p0, int64_t p1, uint32_t *wv) {
+  for (int64_t p = p0; p < p1; p++) {
+    __m512bh v[4];
+    if (p < job->k2)
+      pair_vectors(w, p, job->k, v);
+    else
+      v[0] = v[1] = v[2] = v[3] = (__m512bh)_mm512_setzero_si512();
+    for (int c = 0; c < 4; c++)
+      _mm512_storeu_si512(wv + (p - p0) * PANEL + 16 * c, (__m512i)v[c]);
+  }
+}
+
 /* y[R rows, 64 columns] = the job's R rows from xb . one panel, R <= ROWS and `stream` constants after inlining.
  * The panel is `wv`, interleaved already (wv[p, c] = w[2p, c] | w[2p + 1, c] << 16), or with `stream` the raw
  * panel `w` ([K, 64] bf16 bits), each pair interleaved in registers as it streams in: a decode step's few rows, for
@@ -254,15 +268,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_panel(const Job *jo
   int64_t ldy = job->groups * PANEL, full = job->rows - job->rows % AMX_ROWS;
   for (int64_t p0 = 0; p0 < job->ldx; p0 += AMX_BLOCK) {
     int64_t p1 = p0 + AMX_BLOCK < job->ldx ? p0 + AMX_BLOCK : job->ldx;
-    for (int64_t p = p0; p < p1; p++) {
-      __m512bh v[4];
-      if (p < job->k2)
-        pair_vectors(w, p, job->k, v);
-      else
-        v[0] = v[1] = v[2] = v[3] = (__m512bh)_mm512_setzero_si512();
-      for (int c = 0; c < 4; c++)
-        _mm512_store_si512(wv + (p - p0) * PANEL + 16 * c, (__m512i)v[c]);
-    }
+    interleave(job, w, p0, p1, wv);
     for (int h = 0; h < PANEL; h += 32) {
       for (int64_t m = 0; m < job->rows; m += AMX_ROWS) {
         const uint32_t *a = job->xb + m * job->ldx + p0;
@@ -311,13 +317,7 @@ static int panels(int task, TVMParallelGroupEnv *env, void *data) {
     return -1;
   }
   for (int64_t g = g0; g < g1; g++) {
-    const uint16_t *w = job->wp + g * job->k * PANEL;
-    for (int64_t p = 0; p < job->k2; p++) {
-      __m512bh v[4];
-      pair_vectors(w, p, job->k, v);
-      for (int c = 0; c < 4; c++)
-        _mm512_storeu_si512(wv + p * PANEL + 16 * c, (__m512i)v[c]);
-    }
+    interleave(job, job->wp + g * job->k * PANEL, 0, job->k2, wv);
     panel_rows(0, job, wv, NULL, job->y + g * PANEL);
   }
   free(wv);
