@@ -119,6 +119,7 @@ def compile_export(export_dir: str | Path, out: str | Path, target="llvm", overw
             "expert_params": expert_weights(mod),
             **({"host_gemm": host} if (host := host_gemm_record(mod)) else {}),
             **({"matmul_precision": bf16} if bf16 else {}),
+            **({"fp32_gemm": f32} if (f32 := f32_gemm_record(mod)) else {}),
             **({"tuning": tuning} if tuning else {}),
             "compile_s": round(time.perf_counter() - t0, 3),
             "files": {f.name: sha256_file(f) for f in sorted(w.path.iterdir())},
@@ -197,6 +198,8 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
     if tgt.matmul_precision != "fp32" and library_path is None:
         raise ExportError(f"--matmul-precision {tgt.matmul_precision} links a C kernel into a library written to "
                           "disk (compile); an in-process build cannot carry it")
+    if library_path is not None:
+        tgt = tgt.with_f32_gemm()  # the library links the C kernel in (export_library)
     step("importing into TVM Relax")
     mod, raw_names, raw = to_relax(proto, keep_params=True)
     tgt = dense_target(tgt, raw_names, raw, dense)
@@ -235,14 +238,14 @@ def build_proto(proto, tgt: Target, progress: Callable[[str], None] | None = Non
 
 
 def export_library(executable, mod, path: str | Path) -> None:
-    """A CPU build's `executable` (of the scheduled module `mod`) written to `path`, linked with the C kernel its
-    functions call under --matmul-precision bf16 (targets/bf16_gemm.c)."""
+    """A CPU build's `executable` (of the scheduled module `mod`) written to `path`, linked with the C kernels its
+    functions call (targets/bf16_gemm.c: the bf16 GEMM under --matmul-precision bf16, else the fp32 GEMM)."""
     import tempfile
 
     from k3compile.targets.llvm import bf16_gemm_object
 
     with tempfile.TemporaryDirectory() as objects:
-        addons = [bf16_gemm_object(objects)] if bf16_gemm_record(mod) else None
+        addons = [bf16_gemm_object(objects)] if bf16_gemm_record(mod) or f32_gemm_record(mod) else None
         executable.export_library(str(path), addons=addons)
 
 
@@ -357,6 +360,15 @@ def bf16_gemm_record(mod) -> dict | None:
 
     kernels = _kernels_with(mod, BF16_GEMM_ATTR)
     return {"precision": "bf16", "function": BF16_GEMM, "min_rows": 1, "kernels": kernels} if kernels else None
+
+
+def f32_gemm_record(mod) -> dict | None:
+    """What an exact build's kernels call for its matmuls over bf16 panels (targets/llvm.py, targets/bf16_gemm.c,
+    linked into the library; Target.with_f32_gemm): the C function and how many kernels do; None when none does."""
+    from k3compile.targets.llvm import F32_GEMM, F32_GEMM_ATTR
+
+    kernels = _kernels_with(mod, F32_GEMM_ATTR)
+    return {"function": F32_GEMM, "kernels": kernels} if kernels else None
 
 
 def dense_format(mod) -> str:
@@ -534,7 +546,7 @@ def build_decode(export_dir: Path, tgt: Target, trials: int, work_dir: str | Pat
     if not _same_transform(mod, main_mod, tvm_ffi.structural_equal):
         raise ExportError(f"{export_dir}: the decode step's weights are not main's; it cannot be tuned apart")
     legalized = legalize_fuse(tgt)(mod)
-    mod, rows = schedule(tgt)(legalized), []
+    mod, rows = schedule(tgt if trials else tgt.with_f32_gemm())(legalized), []  # tuned: TVM's loops (tune.py)
     if trials:
         mod, rows = tune_decode(legalized, mod, tgt, trials, work_dir, progress=step)
     _no_extern_calls(mod, tgt)

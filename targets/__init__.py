@@ -175,6 +175,17 @@ class Target:
         return replace(self, matmul_precision=precision,
                        schedule_func=functools.partial(self.schedule_func, bf16_gemm=True))
 
+    def with_f32_gemm(self) -> Target:
+        """This CPU target with its exact (fp32) matmuls over bf16 panels calling targets/bf16_gemm.c's fp32 GEMM,
+        which sums in the order and with the FMAs of TVM's loops (the same bits) at up to 4x their speed, where the
+        CPU has AVX-512 (F and BW); itself elsewhere, on a GPU and under --matmul-precision bf16. Only a library
+        written to disk can link the kernel in (compile.build_proto)."""
+        from k3compile.targets.llvm import F32_GEMM_FEATURES
+
+        if self.gpu or self.matmul_precision != "fp32" or not all(map(self.has_feature, F32_GEMM_FEATURES)):
+            return self
+        return replace(self, schedule_func=functools.partial(self.schedule_func, f32_gemm=True))
+
     def describe(self) -> str:
         return str(self.tvm())
 

@@ -22,7 +22,10 @@
  * Where the CPU has AMX-BF16 (Intel's tile unit: Sapphire Rapids and later) and Linux grants the process its tile
  * state, from AMX_MIN_ROWS rows the panels go through AMX instead (amx_panel): tdpbf16ps computes the same exact
  * products, 16 x 16 x 32 of them an instruction, summed in fp32. Returns 0, or -1 with TVM's last error set
- * (memory). */
+ * (memory).
+ *
+ * The file also holds the exact build's kernel, k3_f32_gemm (at the end: fp32 activations times the widened bf16
+ * panels, the bits of TVM's loops), which every CPU library written to disk on an AVX-512 CPU links in. */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
@@ -349,5 +352,79 @@ int32_t k3_bf16_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows,
     TVMFFIErrorSetRaisedFromCStr("MemoryError", "k3_bf16_gemm: no memory for a panel's interleaved copy");
     return -1;
   }
+  return 0;
+}
+
+/* The exact build's matmul over bf16 panels (`compile` at fp32 precision; docs/toolchain.md, "CPU schedules": the
+ * fp32 GEMV): y[m, g * 64 + c] = sum_k x[m, k] * wp[g, k, c], x fp32 as it is, each bf16 weight widened exactly to
+ * fp32 (its bits moved to the high half), products and sums in fp32 by FMA, k in order. One 64-byte load holds 32
+ * weights: shifting each 32-bit lane left by 16 gives the even columns' fp32 values, masking its high half the odd
+ * ones, two instructions for 16 weights; the four accumulators of a row are put back in column order once at the
+ * end (vpermt2ps). The panels stream from memory once per ROWS rows with the same prefetch as pair_vectors'. */
+static inline __attribute__((always_inline)) void tile_f32(const int R, const float *x, int64_t k,
+                                                           const uint16_t *w, float *y, int64_t ldy) {
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+  __m512 acc[ROWS][4];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 4; c++)
+      acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i++) {
+    const uint16_t *line = w + i * PANEL;
+    _mm_prefetch((const char *)line + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch((const char *)line + PREFETCH + 64, _MM_HINT_T0);
+    __m512i lo = _mm512_loadu_si512(line), hi = _mm512_loadu_si512(line + 32);
+    __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), _mm512_castsi512_ps(_mm512_and_si512(lo, high)),
+                   _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), _mm512_castsi512_ps(_mm512_and_si512(hi, high))};
+    for (int r = 0; r < R; r++) {
+      __m512 a = _mm512_set1_ps(x[r * k + i]);
+      for (int c = 0; c < 4; c++)
+        acc[r][c] = _mm512_fmadd_ps(a, v[c], acc[r][c]);
+    }
+  }
+  /* acc[r][2h] lane l holds column 32h + 2l, acc[r][2h + 1] lane l column 32h + 2l + 1 */
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < 2; h++) {
+      _mm512_storeu_ps(y + r * ldy + 32 * h, _mm512_permutex2var_ps(acc[r][2 * h], first, acc[r][2 * h + 1]));
+      _mm512_storeu_ps(y + r * ldy + 32 * h + 16, _mm512_permutex2var_ps(acc[r][2 * h], second, acc[r][2 * h + 1]));
+    }
+}
+
+typedef struct {
+  const float *x;
+  const uint16_t *wp;
+  float *y;
+  int64_t rows, k, groups;
+} F32Job;
+
+/* Panels [g0, g1) of an fp32 job: every row of y's 64 columns, ROWS rows a pass over the panel. */
+static int panels_f32(int task, TVMParallelGroupEnv *env, void *data) {
+  F32Job *job = (F32Job *)data;
+  int64_t g0 = job->groups * task / env->num_task, g1 = job->groups * (task + 1) / env->num_task;
+  int64_t ldy = job->groups * PANEL;
+  for (int64_t g = g0; g < g1; g++) {
+    const uint16_t *w = job->wp + g * job->k * PANEL;
+    for (int64_t m = 0; m < job->rows; m += ROWS) {
+      const float *xm = job->x + m * job->k;
+      float *ym = job->y + m * ldy + g * PANEL;
+      switch (job->rows - m < ROWS ? job->rows - m : ROWS) {
+        case 6: tile_f32(6, xm, job->k, w, ym, ldy); break;
+        case 5: tile_f32(5, xm, job->k, w, ym, ldy); break;
+        case 4: tile_f32(4, xm, job->k, w, ym, ldy); break;
+        case 3: tile_f32(3, xm, job->k, w, ym, ldy); break;
+        case 2: tile_f32(2, xm, job->k, w, ym, ldy); break;
+        default: tile_f32(1, xm, job->k, w, ym, ldy); break;
+      }
+    }
+  }
+  return 0;
+}
+
+int32_t k3_f32_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows, int64_t k, int64_t groups) {
+  if (rows <= 0 || groups <= 0)
+    return 0;
+  F32Job job = {x, wp, y, rows, k, groups};
+  TVMBackendParallelLaunch(panels_f32, &job, 0);
   return 0;
 }

@@ -18,6 +18,11 @@ never wrong, at worst slower:
 3. loops: any other block gets its spatial loops fused into one (run in parallel when the work is large) and its
    innermost loop, when static and a multiple of 4, vectorized; a symbolic innermost loop under static ones stays
    a serial loop of its own; a reduction keeps its reduction loops serial inside, its initialization split out.
+
+A packed matmul over bf16 panels in a library written to disk then calls a C kernel of targets/bf16_gemm.c in place
+of its loops, at every row count: the fp32 GEMM in an exact build on AVX-512 (the loops' bits, faster: streamed
+with prefetch, 6-row register tiles), the bf16 GEMM under --matmul-precision bf16. Elsewhere (other CPUs, fp32
+panels, an in-process build) prefill rows from HOST_GEMM_ROWS on call the host GEMM.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ BF16_GEMM_ATTR = "k3.bf16_gemm"  # marks a PrimFunc that calls it (compile.py li
 BF16_GEMM_SOURCE = "bf16_gemm.c"  # beside this module
 BF16_GEMM_FEATURE = "avx512bf16"  # the LLVM CPU feature it needs (vcvtneps2bf16, vdpbf16ps)
 BF16_GEMM_FLAGS = ("-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+F32_GEMM = "k3_f32_gemm"  # targets/bf16_gemm.c: what a few rows of an exact build's matmul call (docs/toolchain.md)
+F32_GEMM_ATTR = "k3.f32_gemm"  # marks a PrimFunc that calls it (compile.py links the C object in when one does)
+F32_GEMM_FEATURES = ("avx512f", "avx512bw")  # the LLVM CPU features it needs (the object is built for AVX-512)
 
 
 def _static(extent) -> int | None:
@@ -320,11 +328,22 @@ def _host_gemm_operands(sch, block, static_rows: bool = False):
     return x.source, panels, y.source
 
 
-def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bool = False):
+def _c_kernel(name: str, x, wp, y, rows):
+    """A call of `name` (targets/bf16_gemm.c's signature: x, panels, y, rows, K, panel count) whose nonzero status
+    raises the error it set, as a packed call's would be."""
+    import tvm
+
+    status = tvm.tirx.call_extern("int32", name, x.data, wp.data, y.data, tvm.tirx.Cast("int64", rows),
+                                  tvm.tirx.Cast("int64", wp.shape[1]), tvm.tirx.Cast("int64", wp.shape[0]))
+    return tvm.tirx.IfThenElse(status != 0, tvm.tirx.Evaluate(tvm.tirx.call_intrin("int32",
+                                                                                 "tirx.tvm_throw_last_error")), None)
+
+
+def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bool = False, f32_gemm: bool = False):
     """`func` whose top-level loop nest `outer` (the scheduled matmul) is replaced, for every row count, by a call of
-    the bf16 GEMM linked into the library (`bf16_gemm`, over bf16 panels of PANEL columns), or else (`host_gemm`,
-    symbolic rows) run only below HOST_GEMM_ROWS rows, the host GEMM called from there on; `func` unchanged when
-    neither applies."""
+    a C kernel linked into the library when its panels are bf16 ones of PANEL columns: the bf16 GEMM (`bf16_gemm`)
+    or the fp32 GEMM (`f32_gemm`, the loops' own bits); or else (`host_gemm`, symbolic rows) run only below
+    HOST_GEMM_ROWS rows, the host GEMM called from there on; `func` unchanged when none applies."""
     import functools
 
     import tvm
@@ -337,21 +356,27 @@ def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bo
     if len(at) != 1:
         return func
     rows = functools.reduce(lambda a, b: a * b, y.shape[:-1])
-    if bf16_gemm and wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL:
-        status = tvm.tirx.call_extern("int32", BF16_GEMM, x.data, wp.data, y.data, tvm.tirx.Cast("int64", rows),
-                                      tvm.tirx.Cast("int64", wp.shape[1]), tvm.tirx.Cast("int64", wp.shape[0]))
-        call = tvm.tirx.IfThenElse(status != 0, tvm.tirx.Evaluate(
-            tvm.tirx.call_intrin("int32", "tirx.tvm_throw_last_error")), None)  # raised as a packed call's error is
-        seq[at[0]], mark = call, BF16_GEMM_ATTR  # every row: a step's bits never depend on its batch
+    bf16_panels = wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL
+    marks = []
+    if bf16_gemm and bf16_panels:
+        seq[at[0]] = _c_kernel(BF16_GEMM, x, wp, y, rows)  # every row: a step's bits never depend on its batch
+        marks.append(BF16_GEMM_ATTR)
+    elif f32_gemm and bf16_panels:  # every row: k in the loops' order, by FMA as theirs (the same bits), faster
+        seq[at[0]] = _c_kernel(F32_GEMM, x, wp, y, rows)
+        marks.append(F32_GEMM_ATTR)
     elif host_gemm and not _static_rows(y):
-        call, mark = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), HOST_GEMM_ATTR
+        call = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y))
         seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
-    else:
+        marks.append(HOST_GEMM_ATTR)
+    if not marks:
         return func
     body = tvm.tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
     block = tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
                              block.alloc_buffers, block.match_buffers, block.annotations)
-    return func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block)).with_attr(mark, True)
+    func = func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block))
+    for mark in marks:
+        func = func.with_attr(mark, True)
+    return func
 
 
 def bf16_gemm_object(folder) -> str:
@@ -366,26 +391,28 @@ def bf16_gemm_object(folder) -> str:
 
     cc = get_cc()
     if cc is None:
-        raise ExportError("--matmul-precision bf16 compiles a C kernel into the library and found no C compiler (set "
-                          "CC, or install gcc)")
+        raise ExportError(f"a CPU library links the C kernels of {BF16_GEMM_SOURCE} and found no C compiler (set CC, "
+                          "or install gcc)")
     out = Path(folder) / "k3_bf16_gemm.o"
     cmd = [cc, "-x", "c", *BF16_GEMM_FLAGS, "-c", str(Path(__file__).with_name(BF16_GEMM_SOURCE)), "-o", str(out)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise ExportError(f"--matmul-precision bf16: {cc} did not run ({e})") from None
+        raise ExportError(f"{BF16_GEMM_SOURCE}: {cc} did not run ({e})") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise ExportError(f"--matmul-precision bf16: {cc} could not compile {BF16_GEMM_SOURCE} ({last})")
+        raise ExportError(f"{cc} could not compile {BF16_GEMM_SOURCE} ({last})")
     return str(out)
 
 
-def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
+def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False, f32_gemm: bool = False):
     """`func` (a legalized, fused PrimFunc) with the CPU schedule; unchanged when it is already scheduled. Without
     `host_gemm` (`compile --no-host-gemm`) a packed matmul over symbolic rows runs its own loops for every row count,
     so the library needs no function of k3compile's runtime (a plain TVM runtime runs all of it). With `bf16_gemm`
     (`compile --matmul-precision bf16`) every packed matmul over bf16 panels, of symbolic or static rows, calls the
-    bf16 GEMM instead of its loops (its activations rounded to bf16), which the library itself carries."""
+    bf16 GEMM instead of its loops (its activations rounded to bf16), which the library itself carries; with
+    `f32_gemm` (Target.with_f32_gemm: an exact build written to disk, on AVX-512) such a matmul calls the fp32 GEMM
+    the library carries, the loops' own bits, and never the host GEMM."""
     import tvm
 
     if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
@@ -397,8 +424,8 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
         return func
     _inline_intermediates(sch, root)
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
-    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul"), static_rows=bf16_gemm) \
-        if (host_gemm or bf16_gemm) and "k3_packed_matmul" in names else None
+    host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul"), static_rows=bf16_gemm or f32_gemm) \
+        if (host_gemm or bf16_gemm or f32_gemm) and "k3_packed_matmul" in names else None
     for name in names:
         if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)
@@ -433,6 +460,6 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False):
             matmul = sch.get_sblock("k3_packed_matmul_update")  # the reduction once decomposed
         except Exception:  # noqa: BLE001 - the matmul rule did not apply: the block is as legalized
             matmul = sch.get_sblock("k3_packed_matmul")
-        func = _call_host_gemm(func, host, sch.get(sch.get_loops(matmul)[0]), host_gemm, bf16_gemm)
+        func = _call_host_gemm(func, host, sch.get(sch.get_loops(matmul)[0]), host_gemm, bf16_gemm, f32_gemm)
     return func.with_attr("tirx.is_scheduled", True)
 

@@ -262,46 +262,90 @@ def test_artifact_equals_eager(tiny_export, tvm_artifact):
     assert generate(backend, PROMPTS, 16).tokens == generate(EagerBackend(model), PROMPTS, 16).tokens
 
 
-def test_prefill_rows_go_through_the_host_gemm_and_equal_eager(tiny_export, tvm_artifact):
-    """From HOST_GEMM_ROWS rows (batch x tokens) on, the artifact's dense matmuls call the host GEMM
-    (k3compile/host_gemm.py), loaded from the written folder; a left-padded batch of two prompts past it (and the
-    decode steps after, below it) equals eager within ATOL, and the manifest says which kernels call it."""
-    from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS
+@pytest.fixture(scope="module")
+def fp32_dense_artifact(tiny_export, tmp_path_factory):
+    """tiny_export compiled for llvm with `--dense-weights fp32` and no decode library: (manifest, folder). Its
+    fp32 panels are the ones whose prefill rows call the host GEMM on every CPU."""
+    from k3compile.compile import compile_export
 
+    out = tmp_path_factory.mktemp("fp32-dense") / "art"
+    return compile_export(tiny_export[1], out, dense="fp32", decode_library=False), out
+
+
+def _host_gemm_rows(backend, prompts, model):
+    """compare() of eager and `backend` on `prompts` (2 decode steps), and the row counts of the host GEMM's calls
+    meanwhile (counted inside the module: a kernel keeps the function it first found)."""
     from k3compile import host_gemm
 
-    manifest, out = tvm_artifact
-    assert manifest["host_gemm"]["function"] == HOST_GEMM and manifest["host_gemm"]["kernels"] >= 5
-    backend = TvmBackend(out)
     rows = []
     columns = host_gemm._columns
 
-    def counting(a, w, y, g0, g1):  # counted inside the module: a kernel keeps the function it first found
+    def counting(a, w, y, g0, g1):
         if g0 == 0:
             rows.append(a.shape[0])
         columns(a, w, y, g0, g1)
 
-    long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(host_gemm, "_columns", counting)
-        got = compare(EagerBackend(tiny_export[0], Forms.exported()), backend, decode_steps=2,
-                      prompts=[long, long[:9]])
+        got = compare(EagerBackend(model, Forms.exported()), backend, decode_steps=2, prompts=prompts)
+    return got, rows
+
+
+def test_prefill_rows_go_through_the_host_gemm_and_equal_eager(tiny_export, fp32_dense_artifact):
+    """From HOST_GEMM_ROWS rows (batch x tokens) on, the dense matmuls over fp32 panels call the host GEMM
+    (k3compile/host_gemm.py), loaded from the written folder; a left-padded batch of two prompts past it (and the
+    decode steps after, below it) equals eager within ATOL, and the manifest says which kernels call it."""
+    from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS
+
+    manifest, out = fp32_dense_artifact
+    assert manifest["host_gemm"]["function"] == HOST_GEMM and manifest["host_gemm"]["kernels"] >= 5
+    long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
+    got, rows = _host_gemm_rows(TvmBackend(out), [long, long[:9]], tiny_export[0])
     assert rows and all(r >= HOST_GEMM_ROWS for r in rows)
     assert all(r["max_abs"] <= ATOL for r in got), [r for r in got if not r["max_abs"] <= ATOL][:3]
 
 
-def test_no_host_gemm_builds_a_library_a_plain_tvm_runtime_runs_whole(tiny_export, tvm_artifact, tmp_path):
-    """`compile --no-host-gemm`: no kernel names k3compile's host GEMM (the default build's library does, which is
-    what makes the check able to fail), the manifest has no host_gemm record, and a prefill past HOST_GEMM_ROWS rows
-    runs the kernels' own loops and equals eager within ATOL; a GPU target refuses the flag."""
+def test_the_exact_build_calls_the_fp32_gemm_at_every_row_count(tiny_export, tvm_artifact):
+    """On an AVX-512 CPU the default (exact) build's matmuls over bf16 panels call targets/bf16_gemm.c's fp32 GEMM
+    (Target.with_f32_gemm; its bits are the loops': tests/unit/test_f32_gemm.py), linked into both libraries, and
+    never the host GEMM: a left-padded batch of two prompts past HOST_GEMM_ROWS rows, its decode steps and the
+    decode library's batch-1 step equal eager within ATOL with no host GEMM call, in a process without torch too."""
+    from k3compile.targets import resolve
+    from k3compile.targets.llvm import F32_GEMM, F32_GEMM_FEATURES, HOST_GEMM, HOST_GEMM_ROWS
+
+    if not all(map(resolve("llvm").has_feature, F32_GEMM_FEATURES)):
+        pytest.skip("this CPU has no AVX-512: exact builds keep TVM's loops and the host GEMM")
+    manifest, out = tvm_artifact
+    assert manifest["fp32_gemm"]["function"] == F32_GEMM and manifest["fp32_gemm"]["kernels"] >= 5
+    assert "host_gemm" not in manifest and "matmul_precision" not in manifest
+    assert all(F32_GEMM.encode() in (out / lib).read_bytes() for lib in ("model.so", "decode.so"))
+    assert HOST_GEMM.encode() not in (out / "model.so").read_bytes()
+    long = [(7 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS // 2 + 5)]
+    backend = TvmBackend(out)
+    for prompts in ([long, long[:9]], PROMPTS[:1]):  # past the host GEMM's rows; one prompt: the decode library
+        got, rows = _host_gemm_rows(backend, prompts, tiny_export[0])
+        assert not rows
+        assert all(r["max_abs"] <= ATOL for r in got), [r for r in got if not r["max_abs"] <= ATOL][:3]
+    tokens = generate(EagerBackend(tiny_export[0]), PROMPTS, 8).tokens
+    ids = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    doc = _generate_without_torch(out, *ids, "--max-new-tokens", 8)
+    assert doc["runtime"] == "torch-free" and doc["tokens"] == tokens
+
+
+def test_no_host_gemm_builds_a_library_a_plain_tvm_runtime_runs_whole(tiny_export, fp32_dense_artifact, tmp_path):
+    """`compile --no-host-gemm` (on fp32 panels, which call the host GEMM otherwise): no kernel names k3compile's
+    host GEMM (the same build's library without the flag does, which is what makes the check able to fail), the
+    manifest has no host_gemm record, and a prefill past HOST_GEMM_ROWS rows runs the kernels' own loops and equals
+    eager within ATOL; a GPU target refuses the flag."""
     from k3compile.targets.llvm import HOST_GEMM, HOST_GEMM_ROWS
 
     out = tmp_path / "plain"
-    res = run("compile", tiny_export[1], "-o", out, "--no-host-gemm", "--no-decode-library", "--json", "--quiet")
+    res = run("compile", tiny_export[1], "-o", out, "--no-host-gemm", "--no-decode-library", "--dense-weights",
+              "fp32", "--json", "--quiet")
     assert res.exit_code == 0, res.output
     manifest = json.loads(res.stdout)
-    assert "host_gemm" not in manifest and "host_gemm" in tvm_artifact[0]
-    assert HOST_GEMM.encode() in (tvm_artifact[1] / "model.so").read_bytes()
+    assert "host_gemm" not in manifest and "host_gemm" in fp32_dense_artifact[0]
+    assert HOST_GEMM.encode() in (fp32_dense_artifact[1] / "model.so").read_bytes()
     assert HOST_GEMM.encode() not in (out / "model.so").read_bytes()
     long = [(5 * i) % 250 + 3 for i in range(HOST_GEMM_ROWS + 9)]
     got = compare(EagerBackend(tiny_export[0], Forms.exported()), TvmBackend(out), decode_steps=1, prompts=[long])
@@ -613,29 +657,28 @@ def test_tvm_equals_eager_with_float_experts(tmp_path):
     assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
 
 
-def test_dense_weights_fp32_and_bf16_refusals(tmp_path, tiny_export, tvm_artifact):
+def test_dense_weights_fp32_and_bf16_refusals(tmp_path, tiny_export, tvm_artifact, fp32_dense_artifact):
     """`--dense-weights fp32` stores the same matrices in fp32 (twice the bytes) and equals eager too; bf16 on a
     model whose matrices do not hold bf16 values is refused naming one (cutting them would change the model), where
     `auto` keeps fp32; a GPU target refuses bf16 (its kernels read fp32)."""
     from k3compile.targets import resolve
     from safetensors.numpy import load_file
 
-    from k3compile.compile import build, compile_export, dense_target
+    from k3compile.compile import build, dense_target
     from k3compile.pipeline import export_checked
     from k3compile.source import load_model
 
     model, folder, _ = tiny_export
-    manifest = compile_export(folder, tmp_path / "fp32", dense="fp32", decode_library=False)
+    manifest, fp32 = fp32_dense_artifact
     assert manifest["dense_weights"] == "fp32"
-    assert "tuning" not in manifest and not (tmp_path / "fp32" / "decode.so").exists()  # main runs every step
-    wide, narrow = (load_file(str(d / "weights.safetensors")) for d in (tmp_path / "fp32", tvm_artifact[1]))
+    assert "tuning" not in manifest and not (fp32 / "decode.so").exists()  # main runs every step
+    wide, narrow = (load_file(str(d / "weights.safetensors")) for d in (fp32, tvm_artifact[1]))
     assert not any(w.dtype == np.uint16 for w in wide.values())
     nbytes = {d: sum(w.nbytes for w in ws.values() if w.dtype in (np.float32, np.uint16)) for d, ws in
               (("fp32", wide), ("bf16", narrow))}
     dense = sum(w.nbytes for w in narrow.values() if w.dtype == np.uint16)
     assert nbytes["fp32"] - nbytes["bf16"] == dense  # each uint16 matrix is half its fp32 copy
-    rows = compare(EagerBackend(model, Forms.exported()), TvmBackend(tmp_path / "fp32"), decode_steps=2,
-                   prompts=PROMPTS)
+    rows = compare(EagerBackend(model, Forms.exported()), TvmBackend(fp32), decode_steps=2, prompts=PROMPTS)
     assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
 
     odd = load_model("k3-tiny", seed=3)
