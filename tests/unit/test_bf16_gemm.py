@@ -14,6 +14,7 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
+from gemm_cases import operands, run_panels, within
 from hardening import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,26 +63,6 @@ def kernels(tmp_path_factory):
     return make
 
 
-def _operands(rng, rows, k):
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = rng.standard_normal((k, 128)).astype(ml_dtypes.bfloat16)
-    panels = np.ascontiguousarray(w.view(np.uint16).reshape(k, 2, 64).transpose(1, 0, 2))
-    return x, panels, w.astype(np.float64)
-
-
-def _run(kernel, x, panels):
-    y = tvm.runtime.empty((x.shape[0], 128), "float32")
-    kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(panels), y)
-    return y.numpy()
-
-
-def _within(got, x, w64) -> np.ndarray:
-    """Whether each output is within the fp32 dot-product bound of x @ w in float64 (any summation order):
-    |error| <= K * 2^-23 * sum_k |x_k w_kn|."""
-    x64 = x.astype(np.float64)
-    return np.abs(got - x64 @ w64) <= x.shape[1] * 2.0 ** -23 * (np.abs(x64) @ np.abs(w64))
-
-
 def _bf16(x):
     return x.astype(ml_dtypes.bfloat16).astype(np.float32)
 
@@ -106,35 +87,35 @@ def test_every_row_count_multiplies_bf16_activations(kernels, rows, k, amx, seed
     32-row blocks' tails included), an odd K and one AMX accumulates over passes: within fp32's bound of the
     float64 product of the bf16-rounded activations, and (K > 1, random data) outside it for the fp32
     activations: the rounding happened."""
-    x, panels, w64 = _operands(np.random.default_rng(seed), rows, k)
+    x, panels, w64 = operands(np.random.default_rng(seed), rows, k)
     with _amx(amx):
-        got = _run(kernels(k), x, panels)
-    assert _within(got, _bf16(x), w64).all()
+        got = run_panels(kernels(k), x, panels)
+    assert within(got, _bf16(x), w64).all()
     if k > 1:
-        assert not _within(got, x, w64).all()
+        assert not within(got, x, w64).all()
 
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_static_rows_call_it_too(kernels, rows):
     """The decode library's functions have static rows (batch 1): they call the C function as well, so a row's
     logits never depend on the batch it decodes in."""
-    x, panels, w64 = _operands(np.random.default_rng(rows), rows, 96)
-    got = _run(kernels(96, rows), x, panels)
-    assert _within(got, _bf16(x), w64).all() and not _within(got, x, w64).all()
+    x, panels, w64 = operands(np.random.default_rng(rows), rows, 96)
+    got = run_panels(kernels(96, rows), x, panels)
+    assert within(got, _bf16(x), w64).all() and not within(got, x, w64).all()
 
 
 @pytest.mark.parametrize("rows,amx", [(4, True), (STREAM_ROWS + 2, True), (STREAM_ROWS + 2, False)])
 def test_a_non_finite_activation_reaches_its_row_only(kernels, rows, amx):
     """A NaN or an infinity in one row's activations makes that row's outputs non-finite (bf16 keeps both), and
     leaves every other row as it was, on every path (with AMX: the NaN in a 32-row block, the inf in the tail)."""
-    x, panels, w64 = _operands(np.random.default_rng(2), rows, 96)
+    x, panels, w64 = operands(np.random.default_rng(2), rows, 96)
     x[1, 5], x[rows - 1, 0] = np.nan, np.inf
     with _amx(amx):
-        got = _run(kernels(96), x, panels)
+        got = run_panels(kernels(96), x, panels)
     assert np.isnan(got[1]).all() and not np.isfinite(got[rows - 1]).any()
     rest = np.ones(len(x), bool)
     rest[[1, rows - 1]] = False
-    assert _within(got[rest], _bf16(x[rest]), w64).all()
+    assert within(got[rest], _bf16(x[rest]), w64).all()
 
 
 def test_the_c_source_compiles_and_exports_the_function(tmp_path):

@@ -7,9 +7,9 @@ below the host GEMM's rows) and static ones (the decode library's step)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
+from gemm_cases import operands, run_panels, within
 from hardening import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,26 +58,6 @@ def kernels(tmp_path_factory):
     return make
 
 
-def _operands(rng, rows, k):
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = rng.standard_normal((k, 128)).astype(ml_dtypes.bfloat16)
-    panels = np.ascontiguousarray(w.view(np.uint16).reshape(k, 2, 64).transpose(1, 0, 2))
-    return x, panels, w.astype(np.float64)
-
-
-def _run(kernel, x, panels):
-    y = tvm.runtime.empty((x.shape[0], 128), "float32")
-    kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(panels), y)
-    return y.numpy()
-
-
-def _within(got, x, w64) -> np.ndarray:
-    """Whether each output is within the fp32 dot-product bound of x @ w in float64 (any summation order):
-    |error| <= K * 2^-23 * sum_k |x_k w_kn|."""
-    x64 = x.astype(np.float64)
-    return np.abs(got - x64 @ w64) <= x.shape[1] * 2.0 ** -23 * (np.abs(x64) @ np.abs(w64))
-
-
 ROWS = 6  # targets/bf16_gemm.c: rows per register tile (a pass over the panel)
 
 
@@ -87,31 +67,31 @@ ROWS = 6  # targets/bf16_gemm.c: rows per register tile (a pass over the panel)
 def test_it_gives_the_loops_bits_at_every_row_count(kernels, rows, k, seed):
     """Symbolic rows (the tiles' tails, several passes, a K that is not a multiple of the loops' split of 4): the
     C kernel's outputs equal the loops' bit for bit, and are within fp32's bound of the float64 product."""
-    x, panels, w64 = _operands(np.random.default_rng(seed), rows, k)
-    got = _run(kernels(k), x, panels)
-    assert np.array_equal(got.view(np.uint32), _run(kernels(k, c=False), x, panels).view(np.uint32))
-    assert _within(got, x, w64).all()
+    x, panels, w64 = operands(np.random.default_rng(seed), rows, k)
+    got = run_panels(kernels(k), x, panels)
+    assert np.array_equal(got.view(np.uint32), run_panels(kernels(k, c=False), x, panels).view(np.uint32))
+    assert within(got, x, w64).all()
 
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_static_rows_call_it_too(kernels, rows):
     """The decode library's functions have static rows (batch 1): they call it as well, with the loops' bits."""
-    x, panels, w64 = _operands(np.random.default_rng(rows), rows, 96)
-    got = _run(kernels(96, rows), x, panels)
-    assert np.array_equal(got.view(np.uint32), _run(kernels(96, rows, c=False), x, panels).view(np.uint32))
-    assert _within(got, x, w64).all()
+    x, panels, w64 = operands(np.random.default_rng(rows), rows, 96)
+    got = run_panels(kernels(96, rows), x, panels)
+    assert np.array_equal(got.view(np.uint32), run_panels(kernels(96, rows, c=False), x, panels).view(np.uint32))
+    assert within(got, x, w64).all()
 
 
 def test_a_non_finite_activation_reaches_its_row_only(kernels):
     """A NaN or an infinity in one row's activations makes that row's outputs non-finite and leaves the others as
     they were (in the first and the last 6-row pass)."""
-    x, panels, w64 = _operands(np.random.default_rng(2), 14, 96)
+    x, panels, w64 = operands(np.random.default_rng(2), 14, 96)
     x[1, 5], x[13, 0] = np.nan, np.inf
-    got = _run(kernels(96), x, panels)
+    got = run_panels(kernels(96), x, panels)
     assert np.isnan(got[1]).all() and not np.isfinite(got[13]).any()
     rest = np.ones(len(x), bool)
     rest[[1, 13]] = False
-    assert _within(got[rest], x[rest], w64).all()
+    assert within(got[rest], x[rest], w64).all()
 
 
 def test_only_an_exact_cpu_build_uses_it():
