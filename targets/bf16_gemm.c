@@ -356,7 +356,7 @@ int32_t k3_bf16_gemm(const float *x, const uint16_t *wp, float *y, int64_t rows,
 }
 
 /* The exact build's matmul over bf16 panels (`compile` at fp32 precision; docs/toolchain.md, "CPU schedules": the
- * fp32 GEMV): y[m, g * 64 + c] = sum_k x[m, k] * wp[g, k, c], x fp32 as it is, each bf16 weight widened exactly to
+ * fp32 GEMM): y[m, g * 64 + c] = sum_k x[m, k] * wp[g, k, c], x fp32 as it is, each bf16 weight widened exactly to
  * fp32 (its bits moved to the high half), products and sums in fp32 by FMA, k in order. One 64-byte load holds 32
  * weights: shifting each 32-bit lane left by 16 gives the even columns' fp32 values, masking its high half the odd
  * ones, two instructions for 16 weights; the four accumulators of a row are put back in column order once at the

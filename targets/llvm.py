@@ -43,7 +43,7 @@ BF16_GEMM_ATTR = "k3.bf16_gemm"  # marks a PrimFunc that calls it (compile.py li
 BF16_GEMM_SOURCE = "bf16_gemm.c"  # beside this module
 BF16_GEMM_FEATURE = "avx512bf16"  # the LLVM CPU feature it needs (vcvtneps2bf16, vdpbf16ps)
 BF16_GEMM_FLAGS = ("-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
-F32_GEMM = "k3_f32_gemm"  # targets/bf16_gemm.c: what a few rows of an exact build's matmul call (docs/toolchain.md)
+F32_GEMM = "k3_f32_gemm"  # targets/bf16_gemm.c: what an exact build's matmuls over bf16 panels call (every row)
 F32_GEMM_ATTR = "k3.f32_gemm"  # marks a PrimFunc that calls it (compile.py links the C object in when one does)
 F32_GEMM_FEATURES = ("avx512f", "avx512bw")  # the LLVM CPU features it needs (the object is built for AVX-512)
 
@@ -357,26 +357,19 @@ def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bo
         return func
     rows = functools.reduce(lambda a, b: a * b, y.shape[:-1])
     bf16_panels = wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL
-    marks = []
-    if bf16_gemm and bf16_panels:
-        seq[at[0]] = _c_kernel(BF16_GEMM, x, wp, y, rows)  # every row: a step's bits never depend on its batch
-        marks.append(BF16_GEMM_ATTR)
-    elif f32_gemm and bf16_panels:  # every row: k in the loops' order, by FMA as theirs (the same bits), faster
-        seq[at[0]] = _c_kernel(F32_GEMM, x, wp, y, rows)
-        marks.append(F32_GEMM_ATTR)
+    if bf16_gemm and bf16_panels:  # every row: a step's bits never depend on its batch
+        seq[at[0]], mark = _c_kernel(BF16_GEMM, x, wp, y, rows), BF16_GEMM_ATTR
+    elif f32_gemm and bf16_panels:  # k in the loops' order, by FMA as theirs (the same bits), faster
+        seq[at[0]], mark = _c_kernel(F32_GEMM, x, wp, y, rows), F32_GEMM_ATTR
     elif host_gemm and not _static_rows(y):
-        call = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y))
+        call, mark = tvm.tirx.Evaluate(tvm.tirx.call_packed(HOST_GEMM, x, wp, y)), HOST_GEMM_ATTR
         seq[at[0]] = tvm.tirx.IfThenElse(rows >= HOST_GEMM_ROWS, call, seq[at[0]])
-        marks.append(HOST_GEMM_ATTR)
-    if not marks:
+    else:
         return func
     body = tvm.tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
     block = tvm.s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
                              block.alloc_buffers, block.match_buffers, block.annotations)
-    func = func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block))
-    for mark in marks:
-        func = func.with_attr(mark, True)
-    return func
+    return func.with_body(tvm.s_tir.SBlockRealize(root.iter_values, root.predicate, block)).with_attr(mark, True)
 
 
 def bf16_gemm_object(folder) -> str:
