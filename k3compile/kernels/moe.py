@@ -10,18 +10,20 @@ over 64 output columns at a time as one vector, and a tile's rows follow each ot
 from memory in order (the transposed "kn" layout this replaced put a row's 64 bytes 1 KiB apart: 1.75x slower at
 decode with the weights out of cache; docs/toolchain.md, "CPU schedules").
 
-For each routed slot j (in order), three parallel loops over tokens x column tiles:
-    h[n, :]  = W13[idx[n, j]] · z[n]                     (gate and up; 0 for an expert outside the slice)
-    h[n, :I] = act(h[n, :I], h[n, I:])                   (SiTU or SiLU, in place)
-    y[n, :] += w[n, j] · W2[idx[n, j]] · h[n, :I]        (skipped outside the slice: it weighs zero)
-so decode (N = 1) runs each GEMV over its column tiles on every core. Only the k selected experts' weights are read
-(the sparse path). When there are at least 2.5 times as many routed (token, slot) pairs as experts in the slice
-(`grouped`: prefill, larger batches; pairs then share experts) the kernel instead builds the per-expert lists of
-routed pairs in the kernel (a counting sort of idx: offsets, then the pairs in order) and runs, in parallel over
-experts x column tiles, each 32-row weight block of an expert that has pairs decoded once into a local tile (from
-the table where there is one, as decode's GEMVs) and applied to every pair of the expert, each pair's block sum
-times the block's scale; the slot outputs are then summed per token in slot order. Pairs routed outside the slice
-are in no list and weigh zero; an expert without pairs is not decoded.
+The kernel first lists the routed (token, slot) pairs by expert (a counting sort of idx: offsets per expert, then
+the pairs in order; a pair routed outside the slice is in no list and weighs zero). With few pairs (decode), each
+pair is one parallel task running its expert's two GEMVs:
+    h        = W13[e] · z[n]                             (gate and up)
+    h[:I]    = act(h[:I], h[I:])                         (SiTU or SiLU, in place)
+    o[pair]  = w[n, j] · W2[e] · h[:I]
+the tasks taken in expert order, so a thread's next pair of the same expert finds its weights in cache; only the
+k selected experts' weights are read (the sparse path). The outputs are then summed per token in slot order. When
+there are at least 2.5 times as many pairs as experts in the slice (`grouped`: prefill, larger batches; pairs then
+share experts) it runs instead, in parallel over experts x column tiles, each 32-row weight block of an expert that
+has pairs decoded once into a local tile (from the table where there is one, as the GEMVs) and applied to every
+pair of the expert, each pair's block sum times the block's scale; the slot outputs are then summed per token in
+slot order. An expert without pairs is not decoded. Every GEMV over MXFP4 codes asks the memory for the packed
+rows PREFETCH_ROWS ahead as it decodes (the experts are cold at decode: each layer's are read once a step).
 
 MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
@@ -39,13 +41,20 @@ zero-pads float experts of other widths, z and y around the call (passes/lower_k
 
 from __future__ import annotations
 
+# Packed rows ahead of the one being decoded that a GEMV asks the memory for (8 KiB at 64-column tiles, the GEMMs'
+# distance: targets/bf16_gemm.c). Without it the cold experts of a decode step streamed at ~8 GB/s on k3-small's
+# shapes (docs/toolchain.md, "CPU schedules"); 64 and 256 rows measured as 128 did.
+PREFETCH_ROWS = 128
+
 
 def grouped(tokens, top_k, experts):
     """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
     there are at least 2.5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
-    top-4, 512 x 512, this 2-core CPU with vpermps, weights out of cache, docs/toolchain.md "CPU schedules"):
-    per-pair GEMVs are 2x faster at 1 token, 1.35x at 8 and 1.07x at 16, the two break even at 20 (80 pairs),
-    grouping is 1.04x at 24 and 1.14x at 32 tokens. Also the kernel's own branch (the sizes then TIR expressions)."""
+    top-4, 512 x 512, weights out of cache, 2 threads, docs/toolchain.md "CPU schedules"): on the AMD EPYC with
+    vpermps, per-pair GEMVs were 2x faster at 1 token, 1.35x at 8 and 1.07x at 16, the two broke even at 20 (80
+    pairs). On the Intel Xeon, with both paths prefetching and the pairs in expert order, per-pair is 1.75x faster
+    at 1 token and 1.15x at 8, even at 16, and grouping 1.3x faster at 24. Also the kernel's own branch (the sizes
+    then TIR expressions)."""
     return 2 * tokens * top_k >= 5 * experts
 
 
@@ -111,6 +120,12 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
             X[xrow, b * 32 + 2 * p], lanes) + looked(W, Tab, e, b * 16 + p, col0, lanes, 1) * tirx.Broadcast(
             X[xrow, b * 32 + 2 * p + 1], lanes)
 
+    def ahead(W, e, tile, row):
+        """Asks the memory for the cache line PREFETCH_ROWS packed rows past row `row` of tile `tile` of expert e (a
+        prefetch past the array's end is dropped, never a fault)."""
+        return tirx.call_llvm_intrin("void", "llvm.prefetch.p0", tirx.address_of(W[e, tile, row + PREFETCH_ROWS, 0]),
+                                     tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32"))
+
     def elem(W, e, b, p, col, high: int):
         """Row 32 b + 2 p + high of expert e's weight (a column of the output): an E2M1 nibble, or a float."""
         tw = W.shape[3]
@@ -139,6 +154,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                 Y[order[r], col0 + v] = T.float32(0)
         for b in range(blocks):
             for p in range(16):
+                if mx:
+                    T.evaluate(ahead(W, e, col0 // tw, b * 16 + p))
                 if table:
                     tile[2 * p, T.Ramp(0, 1, lanes)] = looked(W, Tab, e, b * 16 + p, col0, lanes, 0)
                     tile[2 * p + 1, T.Ramp(0, 1, lanes)] = looked(W, Tab, e, b * 16 + p, col0, lanes, 1)
@@ -181,11 +198,27 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         if table_a or table_d:
             for i in range(entries):
                 Tab[i] = fp4_twice(i, permps)
+        cnt = T.alloc_buffer((experts + 1,), "int64")
+        pos = T.alloc_buffer((experts,), "int64")
+        order = T.alloc_buffer((N * K,), "int64")
+        for e in range(experts + 1):
+            cnt[e] = T.int64(0)
+        for f in range(N * K):  # counting sort by expert: cnt = offsets, order = pairs n * K + j
+            if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+                cnt[Idx[f // K, f % K] - offset + 1] = cnt[Idx[f // K, f % K] - offset + 1] + T.int64(1)
+        for e in range(experts):
+            cnt[e + 1] = cnt[e + 1] + cnt[e]
+            pos[e] = cnt[e]
+        for f in range(N * K):
+            if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+                order[pos[Idx[f // K, f % K] - offset]] = f
+                pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
         if tirx.Not(grouped(N, K, experts)):  # few pairs: each routed pair's two GEMVs on its expert
             H = T.alloc_buffer((N * K, 2 * inter), "float32")
             Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output
-            for f in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV)
-                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
+            for r in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV),
+                if r < cnt[experts]:  # in expert order (a thread's next pair of the same expert reads it from cache)
+                    f = T.Bind(order[r])
                     for t in range(na):  # h = W13[e] · z, tile of ta columns
                         acc = T.alloc_buffer((ta,), "float32", scope="local")
                         blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
@@ -196,6 +229,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                 blk_acc[v] = T.float32(0)
                             if table_a:  # twice the values from the table; the scale halved
                                 for p in range(16):
+                                    T.evaluate(ahead(W13, Idx[f // K, f % K] - offset, t, b * 16 + p))
                                     blk_acc[T.Ramp(0, 1, la)] = looked_step(
                                         blk_acc, W13, Tab, Idx[f // K, f % K] - offset, b, p, t * ta, la, Zs, f // K)
                                 for v in T.vectorized(ta):
@@ -203,6 +237,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                                                           t * ta + v) * T.float32(0.5))
                             else:
                                 for p in range(16):
+                                    if mx:
+                                        T.evaluate(ahead(W13, Idx[f // K, f % K] - offset, t, b * 16 + p))
                                     for v in T.vectorized(ta):
                                         blk_acc[v] = blk_acc[v] + elem(
                                             W13, Idx[f // K, f % K] - offset, b, p, t * ta + v, 0) * Zs[
@@ -230,6 +266,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                 blk_acc[v] = T.float32(0)
                             if table_d:  # as above
                                 for p in range(16):
+                                    T.evaluate(ahead(W2, Idx[f // K, f % K] - offset, t, b * 16 + p))
                                     blk_acc[T.Ramp(0, 1, ld)] = looked_step(
                                         blk_acc, W2, Tab, Idx[f // K, f % K] - offset, b, p, t * td, ld, H, f)
                                 for v in T.vectorized(td):
@@ -237,6 +274,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                                                           t * td + v) * T.float32(0.5))
                             else:
                                 for p in range(16):
+                                    if mx:
+                                        T.evaluate(ahead(W2, Idx[f // K, f % K] - offset, t, b * 16 + p))
                                     for v in T.vectorized(td):
                                         blk_acc[v] = blk_acc[v] + elem(
                                             W2, Idx[f // K, f % K] - offset, b, p, t * td + v, 0) * H[
@@ -258,23 +297,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                                 nt // nd * K + j, nt % nd * td + v]
 
         else:  # the routed (token, slot) pairs grouped by expert, each weight block decoded once
-            cnt = T.alloc_buffer((experts + 1,), "int64")
-            pos = T.alloc_buffer((experts,), "int64")
-            order = T.alloc_buffer((N * K,), "int64")
             G = T.alloc_buffer((N * K, 2 * inter), "float32")
             Out = T.alloc_buffer((N * K, width), "float32")
-            for e in range(experts + 1):
-                cnt[e] = T.int64(0)
-            for f in range(N * K):  # counting sort by expert: cnt = offsets, order = pairs n * K + j
-                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
-                    cnt[Idx[f // K, f % K] - offset + 1] = cnt[Idx[f // K, f % K] - offset + 1] + T.int64(1)
-            for e in range(experts):
-                cnt[e + 1] = cnt[e + 1] + cnt[e]
-                pos[e] = cnt[e]
-            for f in range(N * K):
-                if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
-                    order[pos[Idx[f // K, f % K] - offset]] = f
-                    pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
             for et in T.parallel(experts * na):  # g = W13[e] · z for every pair routed to e, tile of ta columns
                 if cnt[et // na + 1] > cnt[et // na]:  # an expert no pair is routed to: nothing decoded
                     grouped_gemv(W13, S13, Zs, K, G, et // na, et % na * ta, ta, la, table_a, half_a, dblk, cnt, order,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from k3compile.model.kda import l2_normalize
 from k3compile.ops.kda_recurrence import kda_recurrence, kda_recurrent
@@ -239,6 +241,48 @@ def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offs
     np.testing.assert_array_equal(np.isnan(table), np.isnan(want))
     # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
     np.testing.assert_allclose(table, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_pairs_lib():
+    """The CPU target's MXFP4 kernel (its lookup and prefetches) for 8 experts in the slice [1, 9), 64 x 32, top-2;
+    N symbolic, so one build serves every batch."""
+    from k3compile.targets import resolve
+
+    from k3compile.kernels.moe import moe_kernel
+
+    cpu = resolve()
+    f = moe_kernel(8, 32, 64, 1, True, 4.0, 25.0, target=cpu).with_attr("global_symbol", "main")
+    return tvm.compile(tvm.IRModule({"main": f}), target=cpu.tvm())["main"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(routes=st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=2), min_size=1, max_size=9),
+       seed=st.integers(0, 2**16))
+def test_pairs_in_expert_order_give_each_token_its_own_bits(moe_pairs_lib, routes, seed):
+    """Decode's per-pair path (below 10 tokens here) runs the pairs in expert order: tokens sharing experts, routed
+    outside the slice (0 and 9), or repeating one expert in both slots, each get the bits they get alone (the order
+    of the tasks never enters a token's sums), and the op's output within fp32 summation order."""
+    from k3compile.kernels.moe import expert_tiles, grouped
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    n = len(routes)
+    assert not grouped(n, 2, 8)
+    args = _moe_inputs(n, 64, 32, 8, 2, high=10, seed=seed)
+    args[1] = torch.tensor(routes)
+    tiles = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in args[3:]]
+
+    def run(rows):
+        y = tvm.runtime.empty((len(rows), 64), "float32")
+        moe_pairs_lib(*(tvm.runtime.tensor(x[rows].numpy()) for x in args[:3]), *tiles, y)
+        return y.numpy()
+
+    together = run(list(range(n)))
+    for t in range(n):
+        assert together[t].tobytes() == run([t])[0].tobytes()
+    want = latent_moe_dispatch(*args, 1, "situ", 4.0, 25.0, "none").numpy()
+    # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
+    np.testing.assert_allclose(together, want, rtol=0, atol=1e-5)
 
 
 def test_the_cases_above_cover_both_kernel_paths():
