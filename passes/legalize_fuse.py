@@ -20,6 +20,10 @@ def legalize_fuse(target):
     from tvm import relax
 
     tvm_target = target.tvm()
+    if tvm_target.kind.name == "metal":  # its matmul rule imports TVM's tensor intrinsics: slow unless helped
+        from k3compile.targets.gpu import import_tensor_intrinsics
+
+        import_tensor_intrinsics()
     passes = [*relax.pipeline.library_dispatch_passes(tvm_target), *relax.pipeline.legalize_passes(tvm_target)]
 
     @tvm.transform.module_pass(opt_level=0, name="K3LegalizeFuse")

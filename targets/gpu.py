@@ -179,6 +179,34 @@ def exact_constants(target):
     return run
 
 
+def import_tensor_intrinsics() -> None:
+    """Imports tvm.s_tir.tensor_intrin, which dlight's Metal matmul rule imports on its first call, in ~3 s where a
+    plain import takes ~28 (docs/toolchain.md, "TVM's tensor intrinsics"). Each of its ~530 TVMScript functions
+    calls inspect.stack(), and for every import-machinery frame ("<frozen importlib._bootstrap>") the stack asks
+    inspect.getmodule, which finds no file by that name and walks all of sys.modules each time. For the import only,
+    getmodule keeps its answer for such names (never a file of a module: the answer cannot change meanwhile)."""
+    import inspect
+    import sys
+
+    if "tvm.s_tir.tensor_intrin" in sys.modules:
+        return
+    plain = inspect.getmodule
+    known: dict = {}
+
+    def getmodule(obj, _filename=None):
+        if _filename is None or not _filename.startswith("<"):
+            return plain(obj, _filename)
+        if _filename not in known:
+            known[_filename] = plain(obj, _filename)
+        return known[_filename]
+
+    inspect.getmodule = getmodule
+    try:
+        import tvm.s_tir.tensor_intrin  # noqa: F401 - registers the intrinsics the rule looks up
+    finally:
+        inspect.getmodule = plain
+
+
 def tir_pipeline(target) -> str:
     """The name of the TIR pipeline to build `target`'s kernels with (registered once): TVM's default, with
     `exact_constants` after the device passes."""

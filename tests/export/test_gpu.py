@@ -254,6 +254,23 @@ def test_k3_tiny_builds_or_is_refused_with_one_line(tiny_export, tmp_path, targe
         assert not out.exists()
 
 
+def test_tensor_intrinsics_import_leaves_inspect_as_it_was():
+    """The Metal build's import of TVM's tensor intrinsics (targets/gpu.py: import_tensor_intrinsics), in a fresh
+    process: the module and Metal's intrinsics are there afterwards, inspect.getmodule is the standard one again."""
+    import subprocess
+    import sys
+
+    code = ("import inspect, sys; plain = inspect.getmodule\n"
+            "from k3compile.targets.gpu import import_tensor_intrinsics\n"
+            "import_tensor_intrinsics()\n"
+            "assert inspect.getmodule is plain and 'tvm.s_tir.tensor_intrin' in sys.modules\n"
+            "from tvm.s_tir.tensor_intrin.metal import get_simdgroup_intrin_group\n"
+            "get_simdgroup_intrin_group('shared', 'global', 'float32')\n"
+            "print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("target", ["opencl", "webgpu", "metal", "cuda"])
 def test_k3_small_kernels_build_for_every_gpu_target(target):
     """k3-small's k3 kernels at its sizes (shapes only: no weights) pass the target's limits and generate source."""
