@@ -419,9 +419,17 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False, f32_gem
     names = [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
     host = _host_gemm_operands(sch, sch.get_sblock("k3_packed_matmul"), static_rows=bf16_gemm or f32_gemm) \
         if (host_gemm or bf16_gemm or f32_gemm) and "k3_packed_matmul" in names else None
+    # a C kernel takes the whole matmul at every row count (_call_host_gemm): its loops are not scheduled, and its
+    # widened panels are inlined so that no loop writes them (the kernel reads the stored bf16 bits)
+    kernel = host is not None and (bf16_gemm or f32_gemm) and host[1].dtype == "uint16" and _static(
+        host[1].shape[2]) == PANEL
     for name in names:
         if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)
+        if kernel and name == "k3_packed_matmul":
+            if WIDENED in names:
+                sch.compute_inline(sch.get_sblock(WIDENED))
+            continue
         block = sch.get_sblock(name)
         layout = _matmul_layout(sch, block) if _is_reduction(sch, block) else None
         state = sch.mod
