@@ -3,8 +3,8 @@ measurements: docs/toolchain.md, "CPU schedules").
 
 Layout as the k3 node has it: q̂, k̂, g [B, T, H, K], v [B, T, H, V], β [B, T, H], state [B, H, K, V] ->
 o [B, T, H, V], present [B, H, K, V]. Both kernels run per (batch, head) in parallel; S lives in `present` (the state
-is copied there first). H, K, V are compile-time constants (TVM vectorizes only loops of static extent); B and T are
-symbolic.
+is copied there first, unless the first token's step reads it where it is: below). H, K, V are compile-time constants
+(TVM vectorizes only loops of static extent); B and T are symbolic.
 
 `kda_recurrence_kernel`, one token at a time:
 
@@ -13,8 +13,15 @@ symbolic.
     S ← S + k̂_t ⊗ u                    write
     o_t = Sᵀ q̂_t                        read
 
-It streams S four times a token. `kda_chunked_kernel` (the one the compile path uses) takes the tokens in chunks of
-C: with γ_t = Σ_{s≤t} g_s inside the chunk and S₀ the state at its start,
+in two passes over S: the first forms each decayed row as it reads it for e (never storing it), the second forms it
+again, adds k̂_t[i] u, stores the row and adds its share of o_t. With a copy of the input state first and one pass
+per line above, a decode step streamed S five times and wrote it three: at batch 8 (64 states of 64 KiB, out of L2)
+the kernel took 0.76 ms a layer, now 0.54 (docs/toolchain.md, "CPU schedules"), the same bits (the decayed row
+rounded before it is used, each product added by FMA, as before). A call without a whole chunk (decode) steps its
+first token from the input state into `present`, no copy.
+
+`kda_chunked_kernel` (the one the compile path uses) takes the tokens in chunks of C: with γ_t = Σ_{s≤t} g_s
+inside the chunk and S₀ the state at its start,
 
     A[t, s] = β_t Σ_d k_t[d] k_s[d] exp(γ_t[d] − γ_s[d])      s < t
     Bq[t, s] = Σ_d q_t[d] k_s[d] exp(γ_t[d] − γ_s[d])         s ≤ t
@@ -40,32 +47,28 @@ def _width(n: int, widest: int) -> int:
 
 
 def _recurrent_step(heads: int, dk: int, dv: int):
-    """A T.macro: one token `t` of the recurrence for head `bh` (buffers as in the kernels below; e: V floats)."""
+    """A T.macro: one token `t` of the recurrence for head `bh`, reading the state from `Src` (the input state, or
+    S itself) and writing it to S, in two passes over it (module docstring; e, o: V floats)."""
     from tvm.script import tirx as T
 
     @T.macro
-    def step(t, bh, Q, K, V, G, Beta, S, Out, e):
-        for i in range(dk):
-            for j in T.vectorized(dv):
-                S[bh // heads, bh % heads, i, j] = S[bh // heads, bh % heads, i, j] * exp_f32(
-                    G[bh // heads, t, bh % heads, i])
+    def step(t, bh, Q, K, V, G, Beta, Src, S, Out, e, o):
         for j in T.vectorized(dv):
             e[j] = T.float32(0)
-        for i in range(dk):
+        for i in range(dk):  # e = kᵀ (diag(e^g) S), the decayed rows formed as they are read
             for j in T.vectorized(dv):
-                e[j] = e[j] + K[bh // heads, t, bh % heads, i] * S[bh // heads, bh % heads, i, j]
+                e[j] = e[j] + K[bh // heads, t, bh % heads, i] * (Src[bh // heads, bh % heads, i, j] * exp_f32(
+                    G[bh // heads, t, bh % heads, i]))
         for j in T.vectorized(dv):
             e[j] = Beta[bh // heads, t, bh % heads] * (V[bh // heads, t, bh % heads, j] - e[j])
-        for i in range(dk):
+            o[j] = T.float32(0)
+        for i in range(dk):  # S ← diag(e^g) S + k ⊗ u, each row read once more and written; o = Sᵀ q as it goes
             for j in T.vectorized(dv):
-                S[bh // heads, bh % heads, i, j] = S[bh // heads, bh % heads, i, j] + K[
-                    bh // heads, t, bh % heads, i] * e[j]
+                S[bh // heads, bh % heads, i, j] = Src[bh // heads, bh % heads, i, j] * exp_f32(
+                    G[bh // heads, t, bh % heads, i]) + K[bh // heads, t, bh % heads, i] * e[j]
+                o[j] = o[j] + S[bh // heads, bh % heads, i, j] * Q[bh // heads, t, bh % heads, i]
         for j in T.vectorized(dv):
-            Out[bh // heads, t, bh % heads, j] = T.float32(0)
-        for i in range(dk):
-            for j in T.vectorized(dv):
-                Out[bh // heads, t, bh % heads, j] = Out[bh // heads, t, bh % heads, j] + S[
-                    bh // heads, bh % heads, i, j] * Q[bh // heads, t, bh % heads, i]
+            Out[bh // heads, t, bh % heads, j] = o[j]
 
     return step
 
@@ -112,8 +115,18 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
             akk = T.alloc_buffer((C, C), "float32", scope="local")
             bqk = T.alloc_buffer((C, C), "float32", scope="local")
             e = T.alloc_buffer((dv,), "float32", scope="local")
-            for i, j in T.grid(dk, dv):
-                S[bh // heads, bh % heads, i, j] = S0[bh // heads, bh % heads, i, j]
+            ov = T.alloc_buffer((dv,), "float32", scope="local")
+            if (L // C * C if chunked else 0) == 0:  # no whole chunk (decode): the first token reads the input state
+                if L > 0:
+                    step(0, bh, Q, K, V, G, Beta, S0, S, Out, e, ov)
+                else:
+                    for i, j in T.grid(dk, dv):
+                        S[bh // heads, bh % heads, i, j] = S0[bh // heads, bh % heads, i, j]
+                for t in range(1, L):
+                    step(t, bh, Q, K, V, G, Beta, S, S, Out, e, ov)
+            else:
+                for i, j in T.grid(dk, dv):
+                    S[bh // heads, bh % heads, i, j] = S0[bh // heads, bh % heads, i, j]
             for c in range(L // C if chunked else 0):
                 for t in range(C):
                     bc[t] = Beta[bh // heads, c * C + t, bh % heads]
@@ -192,7 +205,8 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
                     for di in T.unroll(db):
                         for j in T.vectorized(jv):
                             S[bh // heads, bh % heads, d0 * db + di, jb * jv + j] = acc[di, j]
-            for t in range(L // C * C if chunked else 0, L):  # the tail (all of decode): token by token
-                step(t, bh, Q, K, V, G, Beta, S, Out, e)
+            if (L // C * C if chunked else 0) > 0:
+                for t in range(L // C * C, L):  # the tokens after the last whole chunk: token by token
+                    step(t, bh, Q, K, V, G, Beta, S, S, Out, e, ov)
 
     return kda

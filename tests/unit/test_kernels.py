@@ -87,13 +87,32 @@ def test_kda_chunked_kernel_other_chunks_and_strong_decay(kda_lib, chunk):
     np.testing.assert_allclose(s, want_s.numpy(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [5, 11])  # no whole chunk (the first step reads the input state); a chunk and a tail
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
-def test_kda_kernel_leaves_its_input_state_alone(kda_lib, form):
-    args = _inputs(1, 11, 2, 8, 8, seed=3)
+def test_kda_kernel_leaves_its_input_state_alone(kda_lib, form, t):
+    args = _inputs(1, t, 2, 8, 8, seed=3)
     s0 = tvm.runtime.tensor(args[-1].numpy())
-    out = [tvm.runtime.empty((1, 11, 2, 8), "float32"), tvm.runtime.empty((1, 2, 8, 8), "float32")]
+    out = [tvm.runtime.empty((1, t, 2, 8), "float32"), tvm.runtime.empty((1, 2, 8, 8), "float32")]
     kda_lib(2, 8, 8, form)["main"](*[tvm.runtime.tensor(x.numpy()) for x in args[:-1]], s0, *out)
     assert np.array_equal(s0.numpy(), args[-1].numpy())
+
+
+@pytest.mark.parametrize("form,t", [("chunked", 7), ("recurrent", 12)])
+def test_kda_tokens_one_call_at_a_time_are_the_same_bits_as_in_one_call(kda_lib, form, t):
+    """Decode feeds a call's state to the next: stepping the tokens one call at a time (each step from its call's
+    input state) gives the bits of one call over all of them (the first step from the input state, the rest on
+    the state in place), below a whole chunk for the chunked kernel and for any length for the recurrent one."""
+    b, h, k, v = 2, 2, 16, 24
+    args = _inputs(b, t, h, k, v, seed=11)
+    lib = kda_lib(h, k, v, form)
+    o_all, s_all = _run(lib, args, b, t, h, k, v)
+    state, outs = args[-1], []
+    for i in range(t):
+        o, state = _run(lib, [x[:, i:i + 1] for x in args[:-1]] + [torch.from_numpy(state) if isinstance(
+            state, np.ndarray) else state], b, 1, h, k, v)
+        outs.append(o)
+    assert np.concatenate(outs, axis=1).tobytes() == o_all.tobytes()
+    assert state.tobytes() == s_all.tobytes()
 
 
 def _module(heads):
