@@ -339,6 +339,12 @@ def _c_kernel(name: str, x, wp, y, rows):
                                                                                  "tirx.tvm_throw_last_error")), None)
 
 
+def _bf16_panels(wp) -> bool:
+    """Whether `wp` (the panels `_host_gemm_operands` found) holds bf16 bits in panels of PANEL columns: the operand
+    the C GEMMs take."""
+    return wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL
+
+
 def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bool = False, f32_gemm: bool = False):
     """`func` whose top-level loop nest `outer` (the scheduled matmul) is replaced, for every row count, by a call of
     a C kernel linked into the library when its panels are bf16 ones of PANEL columns: the bf16 GEMM (`bf16_gemm`)
@@ -356,7 +362,7 @@ def _call_host_gemm(func, operands, outer, host_gemm: bool = True, bf16_gemm: bo
     if len(at) != 1:
         return func
     rows = functools.reduce(lambda a, b: a * b, y.shape[:-1])
-    bf16_panels = wp.dtype == "uint16" and _static(wp.shape[2]) == PANEL
+    bf16_panels = _bf16_panels(wp)
     if bf16_gemm and bf16_panels:  # every row: a step's bits never depend on its batch
         seq[at[0]], mark = _c_kernel(BF16_GEMM, x, wp, y, rows), BF16_GEMM_ATTR
     elif f32_gemm and bf16_panels:  # k in the loops' order, by FMA as theirs (the same bits), faster
@@ -421,8 +427,7 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False, f32_gem
         if (host_gemm or bf16_gemm or f32_gemm) and "k3_packed_matmul" in names else None
     # a C kernel takes the whole matmul at every row count (_call_host_gemm): its loops are not scheduled, and its
     # widened panels are inlined so that no loop writes them (the kernel reads the stored bf16 bits)
-    kernel = host is not None and (bf16_gemm or f32_gemm) and host[1].dtype == "uint16" and _static(
-        host[1].shape[2]) == PANEL
+    kernel = host is not None and (bf16_gemm or f32_gemm) and _bf16_panels(host[1])
     for name in names:
         if name in (MX_PARTIAL, WIDENED):
             continue  # scheduled inside the matmul it feeds (below)
