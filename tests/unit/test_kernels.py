@@ -108,11 +108,11 @@ def test_kda_tokens_one_call_at_a_time_are_the_same_bits_as_in_one_call(kda_lib,
     o_all, s_all = _run(lib, args, b, t, h, k, v)
     state, outs = args[-1], []
     for i in range(t):
-        o, state = _run(lib, [x[:, i:i + 1] for x in args[:-1]] + [torch.from_numpy(state) if isinstance(
-            state, np.ndarray) else state], b, 1, h, k, v)
+        o, s = _run(lib, [x[:, i:i + 1] for x in args[:-1]] + [state], b, 1, h, k, v)
+        state = torch.from_numpy(s)
         outs.append(o)
     assert np.concatenate(outs, axis=1).tobytes() == o_all.tobytes()
-    assert state.tobytes() == s_all.tobytes()
+    assert s.tobytes() == s_all.tobytes()
 
 
 def _module(heads):
