@@ -157,6 +157,7 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
     width = width or cfg.latent_size
     wire = wire_bytes or dtype_bytes
     a2a = {"dispatch": width * wire + 2 * 4, "outputs": width * wire}  # per token slot (the id and weight: fp32)
+    per_call = {t: round(moved[t] * a2a[t]) for t in moved}  # the same for every MoE layer's call
     out = dict.fromkeys(COLLECTIVES, 0)
     for step in plan.schedule(rank, cfg):
         if step["op"] == "run":
@@ -168,7 +169,7 @@ def step_bytes(cfg: K3Config, plan: ShardPlan, rank: int, batch: int, dtype_byte
                         out["all_reduce_tp"] = out.get("all_reduce_tp", 0) + rows * width_of * dtype_bytes
                 else:
                     counts = (plan.mesh.group - 1) * COUNT_BYTES if c["tensor"] == "dispatch" else 0
-                    out["all_to_all"] += counts + round(moved[c["tensor"]] * a2a[c["tensor"]])
+                    out["all_to_all"] += counts + per_call[c["tensor"]]
         elif step["op"] == "send":
             out["send"] += len(step["tensors"]) * rows * cfg.hidden_size * dtype_bytes
         elif step["op"] == "broadcast" and step["from"] == rank:

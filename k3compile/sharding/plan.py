@@ -197,23 +197,26 @@ class ShardPlan:
     def ep_group(self, r: int) -> list[int]:
         """The ranks of r's stage in its replica (ep · tp): they hold the stage's expert slices."""
         d, s, _ = self.mesh.coords(r)
-        return [self.mesh.rank(d, s, g) for g in range(self.mesh.group)]
+        first = self.mesh.rank(d, s, 0)  # a stage's group is a run of ranks (Mesh.rank): built in C, not per rank
+        return list(range(first, first + self.mesh.group))
 
     def tp_group(self, r: int) -> list[int]:
         """The tp ranks that split r's heads and intermediate widths (r alone at tp = 1)."""
         d, s, g = self.mesh.coords(r)
-        first = g - g % self.mesh.tp
-        return [self.mesh.rank(d, s, first + t) for t in range(self.mesh.tp)]
+        first = self.mesh.rank(d, s, g - g % self.mesh.tp)
+        return list(range(first, first + self.mesh.tp))
 
     def replica_group(self, d: int) -> list[int]:
-        return [self.mesh.rank(d, s, g) for s in range(self.mesh.pp) for g in range(self.mesh.group)]
+        first = self.mesh.rank(d, 0, 0)
+        return list(range(first, first + self.mesh.pp * self.mesh.group))
 
     def token_sources(self, d: int) -> list[int]:
         """The ranks that pick replica d's next tokens and broadcast them: the last stage's first shard (all_reduce:
         it has every row), or the first shard of each of the last stage's row groups for its rows (all_to_all: ep
         groups of tp ranks)."""
-        groups = range(self.mesh.ep) if self.dispatch == "all_to_all" else range(1)
-        return [self.mesh.rank(d, self.mesh.pp - 1, e * self.mesh.tp) for e in groups]
+        first = self.mesh.rank(d, self.mesh.pp - 1, 0)
+        groups = self.mesh.ep if self.dispatch == "all_to_all" else 1
+        return list(range(first, first + groups * self.mesh.tp, self.mesh.tp))
 
     def rank_rows(self, batch: int, r: int) -> tuple[int, int, int]:
         """(first row, end row, padded count) of a batch of `batch` rows that rank r computes: its replica's rows,
@@ -239,6 +242,7 @@ class ShardPlan:
         a, b = p.layers
         group, tp = self.ep_group(r), self.tp_group(r)
         calls = []
+        moe = frozenset(self.moe_layers)  # asked of each layer: plan's walk over thousands of ranks repeats this
         if mesh.tp > 1 and p.first:
             calls.append({"op": "all_reduce", "tag": 0, "part": AR_EMBED, "tensor": AR_PARTS[AR_EMBED], "group": tp})
         for i in range(a, b):  # in the order a layer runs them: attention, the latent down projection, routed
@@ -246,10 +250,10 @@ class ShardPlan:
             if mesh.tp > 1:
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_ATTENTION, "tensor": AR_PARTS[AR_ATTENTION],
                               "group": tp})
-            if mesh.tp > 1 and i in self.moe_layers and cfg.is_latent_moe:
+            if mesh.tp > 1 and i in moe and cfg.is_latent_moe:
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT_IN, "tensor": AR_PARTS[AR_LATENT_IN],
                               "group": tp})
-            if i in self.moe_layers and mesh.group > 1:
+            if i in moe and mesh.group > 1:
                 if self.dispatch == "all_to_all":
                     calls += [{"op": "all_to_all", "tag": i, "part": k, "tensor": what, "group": group}
                               for k, what in enumerate(A2A_PARTS)]
@@ -259,7 +263,7 @@ class ShardPlan:
                 else:
                     calls.append({"op": "all_reduce", "tag": i, "part": AR_LATENT, "tensor": AR_PARTS[AR_LATENT],
                                   "group": group})
-            if mesh.tp > 1 and (i not in self.moe_layers or cfg.num_shared_experts or cfg.is_latent_moe):
+            if mesh.tp > 1 and (i not in moe or cfg.num_shared_experts or cfg.is_latent_moe):
                 calls.append({"op": "all_reduce", "tag": i, "part": AR_FFN, "tensor": AR_PARTS[AR_FFN], "group": tp})
         steps.append({"op": "run", "layers": [a, b], "embed": p.first, "head": p.last, "collectives": calls})
         source = next((x for x in self.token_sources(p.replica) if x in tp), None)  # of this tp group, if any

@@ -34,6 +34,25 @@ def test_ranks_are_numbered_replica_stage_shard():
     assert all(mesh.rank(*mesh.coords(r)) == r for r in range(mesh.size))
 
 
+@given(tp=st.integers(1, 4), ep=st.integers(1, 5), pp=st.integers(1, 3), dp=st.integers(1, 3),
+       dispatch=st.sampled_from(["all_reduce", "all_to_all"]))
+def test_each_group_is_the_ranks_its_coordinates_name(tp, ep, pp, dp, dispatch):
+    """The plan's groups (built as runs of rank numbers, for `plan`'s walks over thousands of ranks) against the
+    definition by coordinates: a stage group shares (replica, stage), a tp group also its shard's row group, a
+    replica its replica; a token source is the first shard of a last-stage row group."""
+    mesh = Mesh(ep, pp, dp, tp)
+    plan = ShardPlan(mesh, (0,) * (pp + 1), ((0, 0),) * mesh.group, (), dispatch)
+    every = [(x, *mesh.coords(x)) for x in range(mesh.size)]
+    for r, d, s, g in every:
+        assert plan.ep_group(r) == [x for x, d2, s2, _ in every if (d2, s2) == (d, s)]
+        assert plan.tp_group(r) == [x for x, d2, s2, g2 in every if (d2, s2, g2 // tp) == (d, s, g // tp)]
+    for d in range(dp):
+        assert plan.replica_group(d) == [x for x, d2, _, _ in every if d2 == d]
+        groups = ep if dispatch == "all_to_all" else 1
+        assert plan.token_sources(d) == [x for x, d2, s2, g2 in every
+                                         if (d2, s2) == (d, pp - 1) and g2 % tp == 0 and g2 // tp < groups]
+
+
 def test_expert_slices_are_contiguous_and_as_even_as_possible():
     assert even_slices(8, 3) == [(0, 3), (3, 6), (6, 8)]
     assert even_slices(896, 64) == [(14 * i, 14 * i + 14) for i in range(64)]
