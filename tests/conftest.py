@@ -63,3 +63,17 @@ def fla_naive():
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     return mod
+
+
+# The longest files first, the rest in collection order: the README's command hands whole files (pyproject.toml's
+# --dist loadfile) to two pytest-xdist workers as each frees up, and a long file handed out last would run alone
+# at the end (durations of the suite's last CI run; test_sharded.py alone is a quarter of the suite).
+LONGEST_FIRST = ["export/test_sharded.py", "export/test_tvm.py", "export/test_hardening_trust.py",
+                 "export/test_executor.py", "export/test_gpu.py", "export/test_every_width.py", "export/test_tune.py",
+                 "unit/test_hardening_cli.py", "export/test_dense_mxfp8.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(Path(item.fspath).relative_to(here).as_posix(), len(first)))  # stable

@@ -1,28 +1,33 @@
-"""Exports shared by the export tests (each costs ~30 s of tracing on 2 cores, so each is made once)."""
+"""Exports and artifacts shared by the export tests (an export costs ~30 s of tracing on 2 cores, a build as much),
+each made once per test run (tests/built_once.py: once for both pytest-xdist workers)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from built_once import built_once
 
 from k3compile.pipeline import export_checked as export
 from k3compile.source import load_model
 
 
+def _export(tmp_path_factory, name: str, seed: int, **kw):
+    model = load_model("k3-tiny", seed=seed)
+    out = built_once(tmp_path_factory, name, lambda folder: export(
+        model, folder, source={"source": "k3-tiny", "seed": seed, "experts": "auto"}, **kw))
+    return model, out, json.loads((out / "export.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory):
     """k3-tiny as published (MXFP4 experts, no activation quantization): (model, folder, export.json)."""
-    model = load_model("k3-tiny", seed=0)
-    out = tmp_path_factory.mktemp("exports") / "k3-tiny"
-    doc = export(model, out, source={"source": "k3-tiny", "seed": 0, "experts": "auto"})
-    return model, out, doc
+    return _export(tmp_path_factory, "k3-tiny", 0)
 
 
 @pytest.fixture(scope="session")
 def tiny_mxfp8_export(tmp_path_factory):
-    model = load_model("k3-tiny", seed=1)
-    out = tmp_path_factory.mktemp("exports") / "k3-tiny-mxfp8"
-    doc = export(model, out, activations="mxfp8", source={"source": "k3-tiny", "seed": 1, "experts": "auto"})
-    return model, out, doc
+    return _export(tmp_path_factory, "k3-tiny-mxfp8", 1, activations="mxfp8")
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +35,8 @@ def tvm_artifact(tiny_export, tmp_path_factory):
     """tiny_export compiled for llvm: (manifest, folder)."""
     from k3compile.compile import compile_export
 
-    out = tmp_path_factory.mktemp("artifacts") / "k3-tiny-llvm"
-    return compile_export(tiny_export[1], out), out
+    out = built_once(tmp_path_factory, "k3-tiny-llvm", lambda folder: compile_export(tiny_export[1], folder))
+    return json.loads((out / "manifest.json").read_text()), out
 
 
 def _gpu_artifact(target: str, tiny_export, tmp_path_factory):
@@ -43,9 +48,8 @@ def _gpu_artifact(target: str, tiny_export, tmp_path_factory):
         {"opencl": opencl.devices, "webgpu": webgpu.adapters}[target]()
     except opencl.DeviceError as e:
         pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("artifacts") / f"k3-tiny-{target}"
-    compile_export(tiny_export[1], out, target=target)
-    return out
+    return built_once(tmp_path_factory, f"k3-tiny-{target}",
+                      lambda folder: compile_export(tiny_export[1], folder, target=target))
 
 
 @pytest.fixture(scope="session")
