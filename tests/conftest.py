@@ -66,11 +66,11 @@ def fla_naive():
 
 
 # The longest files first, the rest in collection order: the README's command hands whole files (pyproject.toml's
-# --dist loadfile) to two pytest-xdist workers as each frees up, and a long file handed out last would run alone
-# at the end (durations of the suite's last CI run; test_sharded.py alone is a quarter of the suite).
-LONGEST_FIRST = ["export/test_sharded.py", "export/test_tvm.py", "export/test_hardening_trust.py",
-                 "export/test_executor.py", "export/test_gpu.py", "export/test_every_width.py", "export/test_tune.py",
-                 "unit/test_hardening_cli.py", "export/test_dense_mxfp8.py"]
+# --dist loadfile) to two pytest-xdist workers as each frees up, and a long file handed out last would run alone at
+# the end. The order of the files' times in a two-worker CI run (test_sharded.py alone is a third of the suite).
+LONGEST_FIRST = ["export/test_sharded.py", "export/test_tvm.py", "export/test_gpu.py", "export/test_executor.py",
+                 "export/test_hardening_trust.py", "export/test_every_width.py", "export/test_tune.py",
+                 "unit/test_hardening_cli.py", "unit/test_prefix_state.py", "export/test_dense_mxfp8.py"]
 
 
 def pytest_collection_modifyitems(config, items):
