@@ -262,8 +262,11 @@ class Engine:
                                                     "check the weights"))
                 continue
             token = _pick(request, last[i:i + 1])
-            if not self._accept(request, token):
+            finish = self._accept(request, token)
+            if finish is None:
                 keep.append((i, _Row(request, token)))
+            else:
+                self._finish(request, finish)
         if keep:
             self._join(take_rows(self.config, on_host(self.backend, past), mask, [i for i, _ in keep]),
                        [r for _, r in keep])
@@ -294,8 +297,11 @@ class Engine:
         if not bool(torch.isfinite(last).all()):
             raise GenerationError("prefill: the model produced non-finite logits (NaN or Inf); check the weights")
         token = _pick(request, last)
-        if not self._accept(request, token):
+        finish = self._accept(request, token)
+        if finish is None:
             self._join((on_host(self.backend, prefill.past), prefill.mask), [_Row(request, token)])
+        else:
+            self._finish(request, finish)
 
     def _decode(self) -> None:
         ids = torch.tensor([[r.token] for r in self._rows], dtype=torch.long)
@@ -304,20 +310,28 @@ class Engine:
         self._mask = mask
         self.steps += 1
         last = logits[:, -1]
-        finished = []
+        finished, ends = [], []
         for i, row in enumerate(self._rows):
             request = row.request
             if not bool(torch.isfinite(last[i]).all()):
-                request.emit(Event("error", message=f"decode step {len(request.tokens)}: the model produced "
-                                                    "non-finite logits (NaN or Inf); check the weights"))
+                ends.append((request, Event("error", message=f"decode step {len(request.tokens)}: the model "
+                                                             "produced non-finite logits (NaN or Inf); check the "
+                                                             "weights")))
                 finished.append(i)
                 continue
             token = _pick(request, last[i:i + 1])
             row.token = token
-            if self._accept(request, token):
+            finish = self._accept(request, token)
+            if finish is not None:
                 finished.append(i)
+                ends.append((request, finish))
         if finished:
             self._keep([i for i in range(len(self._rows)) if i not in finished])
+        for request, end in ends:  # after their rows left the batch: a client that got its answer and asks /health
+            if isinstance(end, Event):  # finds it no longer running
+                request.emit(end)
+            else:
+                self._finish(request, end)
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -342,8 +356,9 @@ class Engine:
         self._past, self._mask = take_rows(self.config, on_host(self.backend, self._past), self._mask, rows)
         self._rows = [self._rows[i] for i in rows]
 
-    def _accept(self, request: Request, token: int) -> bool:
-        """Record a new token of `request` and send what it adds; True when the request is finished."""
+    def _accept(self, request: Request, token: int) -> str | None:
+        """Record a new token of `request` and send what it adds; its finish reason when it is finished (the caller
+        sends it with `_finish` once the request's row has left the batch)."""
         now = time.monotonic()
         if self.metrics:
             self.metrics.token(request, now)
@@ -360,11 +375,12 @@ class Engine:
         if stopped:
             finish = "stop"
         request.emit(Event("token", [token], text))
-        if finish is not None:
-            request.emit(Event("done", finish_reason=finish))
-            if self.metrics:
-                self.metrics.finished(finish)
-        return finish is not None
+        return finish
+
+    def _finish(self, request: Request, finish: str) -> None:
+        request.emit(Event("done", finish_reason=finish))
+        if self.metrics:
+            self.metrics.finished(finish)
 
     def _text(self, request: Request, final: bool) -> tuple[str, bool]:
         """The text `request`'s tokens add since the last call, and whether a stop string ended it. Held back: a

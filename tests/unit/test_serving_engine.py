@@ -78,6 +78,31 @@ def test_requests_join_and_leave_a_running_batch(backend):
     assert reqs[4][0].cached_tokens == 16  # the last prompt shares two 8-token blocks with the first
 
 
+def test_a_finished_request_has_left_the_batch_when_its_client_hears(backend):
+    """A request's last event (done, from a decode step or from its prefill) is sent after its row left the batch:
+    a client that got its answer and asks /health finds it no longer running. The done event used to go out before
+    the row was dropped, and a CI run under load read running == 1 (tests/unit/test_serve_http.py)."""
+    engine = Engine(backend, max_batch=3)
+    in_batch = []  # at each request's last event: is its row still in the running batch?
+
+    def heard(request, sink):
+        def emit(event):
+            sink(event)
+            if event.kind in ("done", "error"):
+                in_batch.append(any(r.request is request[0] for r in engine._rows))
+        return emit
+
+    sinks = []
+    for prompt, n in ((_prompt(6, 8), 1), (_prompt(5, 9), 3), (_prompt(7, 10), 5)):
+        sink, request = _Sink(), []
+        request.append(Request(prompt, Sampling(n), heard(request, sink)))
+        engine.submit(request[0])
+        sinks.append(sink)
+    _run(engine, lambda: all(s.finish for s in sinks))
+    assert [s.finish for s in sinks] == ["length"] * 3  # one ends at its prefill, two in decode steps
+    assert in_batch == [False] * 3 and engine.running == 0
+
+
 def test_a_cancelled_request_frees_its_row(backend):
     engine = Engine(backend, max_batch=2)
     a, sa = _request(_prompt(6, 5), 50)
