@@ -262,11 +262,11 @@ class Engine:
                                                     "check the weights"))
                 continue
             token = _pick(request, last[i:i + 1])
-            finish = self._accept(request, token)
-            if finish is None:
+            done = self._accept(request, token)
+            if done is None:
                 keep.append((i, _Row(request, token)))
             else:
-                self._finish(request, finish)
+                request.emit(done)
         if keep:
             self._join(take_rows(self.config, on_host(self.backend, past), mask, [i for i, _ in keep]),
                        [r for _, r in keep])
@@ -297,11 +297,11 @@ class Engine:
         if not bool(torch.isfinite(last).all()):
             raise GenerationError("prefill: the model produced non-finite logits (NaN or Inf); check the weights")
         token = _pick(request, last)
-        finish = self._accept(request, token)
-        if finish is None:
+        done = self._accept(request, token)
+        if done is None:
             self._join((on_host(self.backend, prefill.past), prefill.mask), [_Row(request, token)])
         else:
-            self._finish(request, finish)
+            request.emit(done)
 
     def _decode(self) -> None:
         ids = torch.tensor([[r.token] for r in self._rows], dtype=torch.long)
@@ -321,17 +321,14 @@ class Engine:
                 continue
             token = _pick(request, last[i:i + 1])
             row.token = token
-            finish = self._accept(request, token)
-            if finish is not None:
+            done = self._accept(request, token)
+            if done is not None:
                 finished.append(i)
-                ends.append((request, finish))
+                ends.append((request, done))
         if finished:
             self._keep([i for i in range(len(self._rows)) if i not in finished])
         for request, end in ends:  # after their rows left the batch: a client that got its answer and asks /health
-            if isinstance(end, Event):  # finds it no longer running
-                request.emit(end)
-            else:
-                self._finish(request, end)
+            request.emit(end)      # finds it no longer running
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -356,9 +353,9 @@ class Engine:
         self._past, self._mask = take_rows(self.config, on_host(self.backend, self._past), self._mask, rows)
         self._rows = [self._rows[i] for i in rows]
 
-    def _accept(self, request: Request, token: int) -> str | None:
-        """Record a new token of `request` and send what it adds; its finish reason when it is finished (the caller
-        sends it with `_finish` once the request's row has left the batch)."""
+    def _accept(self, request: Request, token: int) -> Event | None:
+        """Record a new token of `request` and send what it adds; its done event when it is finished (the caller
+        sends it once the request's row has left the batch)."""
         now = time.monotonic()
         if self.metrics:
             self.metrics.token(request, now)
@@ -375,12 +372,11 @@ class Engine:
         if stopped:
             finish = "stop"
         request.emit(Event("token", [token], text))
-        return finish
-
-    def _finish(self, request: Request, finish: str) -> None:
-        request.emit(Event("done", finish_reason=finish))
+        if finish is None:
+            return None
         if self.metrics:
             self.metrics.finished(finish)
+        return Event("done", finish_reason=finish)
 
     def _text(self, request: Request, final: bool) -> tuple[str, bool]:
         """The text `request`'s tokens add since the last call, and whether a stop string ended it. Held back: a
