@@ -138,6 +138,8 @@ class ShardedBackend:
         self.failure: str | None = None
         self._last = time.monotonic()
         self._closed = False
+        self._stopped = threading.Event()  # set by close: the keep-alive thread ends at once
+        self._keeper: threading.Thread | None = None
         rdzv = rendezvous or Rendezvous()
         if rdzv.node_rank != 0:
             raise RendezvousError("the server is node 0 of its mesh's nodes; on the others run `k3compile serve OUT "
@@ -257,7 +259,10 @@ class ShardedBackend:
         return past.host
 
     def close(self) -> None:
-        """STOP the ranks, leave the world, end the workers (SIGTERM, then SIGKILL) and remove the run folder."""
+        """STOP the ranks, leave the world, end the workers (SIGTERM, then SIGKILL), remove the run folder and end the
+        keep-alive thread. Every gloo group of this process is gone when it returns: torch releases the GIL while a
+        group's threads are joined, and a thread that takes it back while the interpreter is finalizing aborts the
+        process (runtime/rendezvous.py), so none may be left for a late thread or the exit to destroy."""
         import torch.distributed as dist
 
         from k3compile.runtime.launch import stop_all
@@ -265,6 +270,7 @@ class ShardedBackend:
         if self._closed:
             return
         self._closed = True
+        self._stopped.set()
         with self._lock:
             if dist.is_initialized():
                 if self.failure is None:
@@ -273,10 +279,13 @@ class ShardedBackend:
                     except RuntimeFault:
                         pass
                 dist.destroy_process_group()
+            self._work = None  # its gloo threads end here, not in whichever thread drops this object last
             stop_all(self._procs)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             if self._hosted is not None:
                 self._hosted.close()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join()  # no thread of ours is left to wake into a finalizing interpreter
 
     # ---- the protocol's side here (runtime/worker.py, "a server's rank") -------------------------------------------
 
@@ -378,8 +387,7 @@ class ShardedBackend:
     def _keep_alive(self) -> None:
         """While the engine is idle, a NOOP every third of the timeout (the ranks wait at most the timeout)."""
         period = self.timeout / 3
-        while not self._closed and self.failure is None:
-            time.sleep(min(period, 1.0))
+        while not self._stopped.wait(min(period, 1.0)) and self.failure is None:
             if time.monotonic() - self._last < period:
                 continue
             with self._lock:
