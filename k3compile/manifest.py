@@ -30,6 +30,7 @@ CONSTANTS = "constants.safetensors"  # GPU targets: main's constant tensors the 
 KIND = "tvm-executable"
 SHARDED_KIND = "tvm-sharded"
 OFFSET = "expert_offset"  # a sliced rank's graph input: the first expert of its slice
+TENSOR = "tensor_index"  # a tensor-parallel rank's graph input: its place t in its tp group
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -39,13 +40,15 @@ def rank_dir(r: int) -> str:
 
 def rank_io(cfg: K3Config, p: RankPlan, sliced: bool) -> tuple[list[str], list[str]]:
     """A rank's graph inputs and outputs: (input_ids | the carry), attention_mask, its layers' past[, the first
-    expert of its slice (int64 scalar) when `sliced`] -> (logits | the carry on), their present."""
+    expert of its slice (int64 scalar) when `sliced`][, its place in its tensor-parallel group (int64 scalar) when
+    tp > 1] -> (logits | the carry on), their present. Both scalars are inputs, not constants, so that the ranks of
+    a stage share one graph and one build (partition.py)."""
     a, b = p.layers
     past = [f"past.{i}.{n}" for i in range(a, b) for n in state_names(cfg, i)]
     first = ["input_ids"] if p.first else [f"carry.{n}" for n in carry_names(cfg, a)]
     last = ["logits"] if p.last else [f"carry.{n}" for n in carry_names(cfg, b)]
-    offset = [OFFSET] if sliced else []
-    return [*first, "attention_mask", *past, *offset], [*last, *(n.replace("past.", "present.", 1) for n in past)]
+    scalars = [OFFSET] * sliced + [TENSOR] * (p.tp > 1)
+    return [*first, "attention_mask", *past, *scalars], [*last, *(n.replace("past.", "present.", 1) for n in past)]
 
 
 def loose_manifest(folder: str | Path) -> dict:

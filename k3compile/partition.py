@@ -8,8 +8,9 @@ each MoE layer's latent partial sum through `k3.AllReduce` when ep · tp > 1; wi
 intermediate widths, latent MoE projections and vocabulary, sharding/tensor.py, each attention, MLP and MoE output,
 each latent down projection and the embedding's lookups through `k3.AllReduce` over the tp group) and compiled by
 TVM like any export. Ranks
-whose graphs have the same structure (an expert-parallel group with slices of one size: the slice offset is a weight,
-not a constant) share one build; each still gets its own copy of the library and its own weights.
+whose graphs have the same structure (a stage's ranks with expert slices of one size: the slice's first expert and
+a tp rank's place in its group are graph inputs, not constants) share one build; each still gets its own copy of
+the library and its own weights.
 
 OUT: `manifest.json` (kind tvm-sharded: the mesh, the plan, each rank's inputs, outputs, weight order and step
 schedule, versions, the sha256 of every file), `config.json`, and `rank<r>/model.so` + `rank<r>/weights.safetensors`.
@@ -59,9 +60,15 @@ class RankGraph(nn.Module):
         self.model, self.p, self.forms = model, p, forms
         self.n_carry = 1 if p.first else len(carry_names(model.config, p.layers[0]))
         self._sliced = [m for m in model.modules() if isinstance(m, RoutedExperts) and m.sliced]
+        self._placed = tensor_placed(model) if p.tp > 1 else []
 
     def forward(self, *flat: Tensor):
-        if self._sliced:  # the slice's first expert: an input, so that the ranks of a stage share one graph
+        # the scalars that tell ranks of one stage apart are inputs, so that they share one graph (rank_io)
+        if self._placed:  # its place t in the tp group
+            *flat, t = flat
+            for part in self._placed:
+                part.index = t
+        if self._sliced:  # the slice's first expert
             *flat, offset = flat
             for experts in self._sliced:
                 experts.expert_offset = offset
@@ -95,6 +102,9 @@ def rank_sample(cfg: K3Config, p: RankPlan, sliced: bool, batch: int = 2, new: i
     if sliced:
         flat.append(torch.tensor(p.experts[0], dtype=torch.int64))
         shapes.append({})
+    if p.tp > 1:
+        flat.append(torch.tensor(p.tensor, dtype=torch.int64))
+        shapes.append({})
     return flat, {"flat": tuple(shapes)}
 
 
@@ -118,8 +128,7 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
         model = K3ForCausalLM(rcfg, p.experts if sliced else None)
         if p.tp > 1:  # its vocabulary slice of the embedding and the head
             lo, hi = vocab_slice(cfg, p.tensor, p.tp)
-            model.model.embed_tokens = VocabSliceEmbedding(hi - lo, cfg.hidden_size, lo,
-                                                           _Reduce(all_reduce, 0, AR_EMBED))
+            model.model.embed_tokens = VocabSliceEmbedding(hi - lo, cfg.hidden_size, _Reduce(all_reduce, 0, AR_EMBED))
             model.lm_head = nn.Linear(cfg.hidden_size, hi - lo, bias=False)
         for i in range(a, b):
             moe = getattr(model.model.layers[i], "block_sparse_moe", None)
@@ -127,9 +136,9 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
                 moe.shared_experts = GatedMLP(rcfg, cfg.hidden_size, shared_width(cfg, p.tp))
             if p.tp > 1 and moe is not None and cfg.is_latent_moe:  # both by input columns (sharding/tensor.py)
                 d, de = cfg.hidden_size // p.tp, cfg.latent_size // p.tp
-                moe.routed_expert_down_proj = InputSliceLinear(d, cfg.latent_size, p.tensor * d,
-                                                               _Reduce(all_reduce, i, AR_LATENT_IN))
-                moe.routed_expert_up_proj = InputSliceLinear(de, cfg.hidden_size, p.tensor * de)
+                moe.routed_expert_down_proj = InputSliceLinear(d, cfg.latent_size, _Reduce(all_reduce, i,
+                                                                                           AR_LATENT_IN))
+                moe.routed_expert_up_proj = InputSliceLinear(de, cfg.hidden_size)
     for i in range(cfg.num_hidden_layers):
         if not a <= i < b:
             model.model.layers[i] = nn.Module()
@@ -162,42 +171,56 @@ def rank_model(cfg: K3Config, state: dict[str, Tensor], p: RankPlan, sliced: boo
                     ffn.reduce = _Reduce(all_reduce, i, AR_FFN)
         if sliced and moe is not None:
             if plan is not None and plan.dispatch == "all_to_all":
-                moe.exchange = _Exchange(i, plan.slices, p.tensor, p.tp)
+                moe.exchange = _Exchange(i, plan.slices, p.tp)
                 if p.tp > 1:  # each rank of the group dispatched its share of the slots: their sum
                     moe.reduce = _Reduce(all_reduce, i, AR_ROUTED)
             else:
                 moe.reduce = _Reduce(all_reduce, i, AR_LATENT)
+    for part in tensor_placed(model):  # eager calls see its place; RankGraph feeds it as an input instead
+        part.index = torch.tensor(p.tensor, dtype=torch.int64)
     return model.eval()
 
 
-class VocabSliceEmbedding(nn.Module):
-    """The embedding rows [offset, offset + rows) of a tensor-parallel rank: ids outside them look up zeros, and
-    `reduce` sums the group's lookups into the whole embedding (sharding/tensor.py)."""
+def tensor_placed(model: K3ForCausalLM) -> list:
+    """The parts of a tensor-parallel rank's model whose computation depends on the rank's place t in its group
+    (an `index` each: a vocabulary or column offset, the all-to-all's share of the slots)."""
+    parts = [m for m in model.modules() if isinstance(m, (VocabSliceEmbedding, InputSliceLinear))]
+    return parts + [m.exchange for m in model.modules() if isinstance(getattr(m, "exchange", None), _Exchange)
+                    and m.exchange.tp > 1]
 
-    def __init__(self, rows: int, dim: int, offset: int, reduce) -> None:
+
+class VocabSliceEmbedding(nn.Module):
+    """The embedding rows [t · rows, (t + 1) · rows) of tensor-parallel rank t (`index`, a scalar tensor): ids
+    outside them look up zeros, and `reduce` sums the group's lookups into the whole embedding (sharding/tensor.py,
+    vocab_slice)."""
+
+    def __init__(self, rows: int, dim: int, reduce) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, dim))
-        self.offset, self.reduce = offset, reduce
+        self.reduce, self.index = reduce, torch.tensor(0)
 
     def forward(self, ids: Tensor) -> Tensor:
-        local = ids - self.offset
+        local = ids - self.index * self.weight.shape[0]
         inside = (local >= 0) & (local < self.weight.shape[0])
         rows = torch.nn.functional.embedding(torch.where(inside, local, 0), self.weight)
         return self.reduce(torch.where(inside.unsqueeze(-1), rows, 0.0))
 
 
 class InputSliceLinear(nn.Module):
-    """A tensor-parallel rank's share of a linear layer split by input columns: the weight's columns [offset,
-    offset + width) applied to those columns of the input, a partial output; `reduce` (when set) sums it over the
-    group (sharding/tensor.py: a latent MoE's projections)."""
+    """Tensor-parallel rank t's share (`index`, a scalar tensor) of a linear layer split by input columns: the
+    weight's columns [t · width, (t + 1) · width) applied to those columns of the input, a partial output; `reduce`
+    (when set) sums it over the group (sharding/tensor.py: a latent MoE's projections). The input's width is the
+    group's size times `width`."""
 
-    def __init__(self, width: int, out: int, offset: int, reduce=None) -> None:
+    def __init__(self, width: int, out: int, reduce=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, width))
-        self.offset, self.reduce = offset, reduce
+        self.reduce, self.index = reduce, torch.tensor(0)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = nn.functional.linear(x[..., self.offset:self.offset + self.weight.shape[1]], self.weight)
+        width = self.weight.shape[1]
+        part = x.unflatten(-1, (x.shape[-1] // width, width)).index_select(-2, self.index.view(1)).squeeze(-2)
+        y = nn.functional.linear(part, self.weight)
         return y if self.reduce is None else self.reduce(y)
 
 
@@ -217,13 +240,13 @@ class _Exchange:
     destination with room for all of this rank's slots (static shapes, nothing dropped; slots for other ranks are
     zero, id -1); each rank runs its experts on what arrives (MoE.routed_local) and sends the weighted outputs back,
     where each token sums its slots. The runtime moves only the routed rows (runtime/worker.py, Rank._exchange).
-    With tp > 1 the tp ranks of a row group share its rows: rank t dispatches only each row's i-th slot for i mod
-    tp = t (plan.slot_share), the others go nowhere (id -1), and its sum is that share's, which MoE.reduce sums over
-    the group (AR_ROUTED)."""
+    With tp > 1 the tp ranks of a row group share its rows: rank t (`index`, a scalar tensor) dispatches only each
+    row's i-th slot for i mod tp = t (plan.slot_share), the others go nowhere (id -1), and its sum is that share's,
+    which MoE.reduce sums over the group (AR_ROUTED)."""
 
-    def __init__(self, tag: int, slices: tuple[tuple[int, int], ...], t: int = 0, tp: int = 1) -> None:
+    def __init__(self, tag: int, slices: tuple[tuple[int, int], ...], tp: int = 1) -> None:
         self.tag, self.bounds, self.group = tag, [b for _, b in slices[:-1]], len(slices)
-        self.t, self.tp = t, tp
+        self.tp, self.index = tp, torch.tensor(0)
 
     def __call__(self, moe, z: Tensor, idx: Tensor, w: Tensor, act_quant) -> Tensor:
         from k3compile.ops.collectives import all_to_all
@@ -232,8 +255,8 @@ class _Exchange:
         g, d = self.group, z.shape[-1]
         owner = (idx.unsqueeze(-1) >= torch.tensor(self.bounds, dtype=idx.dtype)).sum(-1)  # [n, k]: its rank
         hit = owner.unsqueeze(0) == torch.arange(g, dtype=owner.dtype).view(g, 1, 1)  # [g, n, k]
-        if self.tp > 1:  # this rank's share of the row group's slots: a static [k] mask, whatever the rows
-            hit = hit & (torch.arange(k) % self.tp == self.t).view(1, 1, k)
+        if self.tp > 1:  # this rank's share of the row group's slots: a [k] mask, whatever the rows
+            hit = hit & (torch.arange(k) % self.tp == self.index).view(1, 1, k)
         vectors = torch.where(hit.unsqueeze(-1), z.float().view(1, n, 1, d), 0.0)
         ids = torch.where(hit, idx.unsqueeze(0), -1).float()  # exact in fp32 below 2**24: .long() gives them back
         weights = torch.where(hit, w.float().unsqueeze(0), 0.0)

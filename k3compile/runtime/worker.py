@@ -269,6 +269,8 @@ class Rank:
         feeds = [*feeds, mask, *past]
         if self.plan.mesh.group > 1:
             feeds.append(torch.tensor(self.p.experts[0], dtype=torch.int64))
+        if self.p.tp > 1:
+            feeds.append(torch.tensor(self.p.tensor, dtype=torch.int64))
         self.expect_collectives()
         head = 1 if self.p.last else len(next(s for s in self.schedule if s["op"] == "send")["tensors"])
         outs = self.run_graph(feeds, head)

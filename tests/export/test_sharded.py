@@ -734,6 +734,11 @@ def test_the_manifest_names_each_ranks_share(sharded):
     doc, cfg, plan = read_sharded(sharded[("k3-tiny", "ep=3", A2A)])
     assert [r["experts"] for r in doc["ranks"]] == [[0, 3], [3, 6], [6, 8]]  # 8 experts on 3 ranks
     assert doc["builds"] == 2  # slices of 3 share one library, the slice of 2 has its own
+    # a tp rank's place in its group is a graph input (tensor_index): the ranks of a stage share one build
+    for mesh, dispatch, builds in (("tp=2,pp=2", "all-reduce", 2), ("tp=2,ep=2", A2A, 1)):
+        tp_doc = read_sharded(sharded[("k3-tiny", mesh, dispatch)])[0]
+        assert tp_doc["builds"] == builds and all(r["inputs"][-1] == "tensor_index" for r in tp_doc["ranks"])
+        assert {r["built_with"] for r in tp_doc["ranks"]} == set(range(0, 4, 4 // builds))
     from safetensors import safe_open
 
     def packed(rank):  # the MXFP4 experts, re-laid for the kernel: the only uint8 tensors
