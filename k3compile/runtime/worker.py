@@ -72,7 +72,7 @@ class Options:
     progress: bool = False  # rank 0 reports each step on stderr
     devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
     serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
-    micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.step)
+    micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.decode_micro)
     wire: str = "fp32"  # the all-to-all's latent vectors on the wire: fp32 (exact) or bf16 (Rank._exchange)
     start_timeout: float = START_S  # seconds loading may take before the ranks wait for each other (loaded)
     nnodes: int = 1  # the machines the world spans (each node's failure key: NODE_FAILED)
@@ -246,12 +246,21 @@ class Rank:
         return out
 
     def broadcast(self, t, src: int) -> None:
+        self._talk("the broadcast of the tokens", [src] if src != self.p.rank else
+                   self.plan.replica_group(self.p.replica), lambda: self.broadcast_async(t, src).wait())
+
+    def broadcast_async(self, t, src: int):
+        """The broadcast of tokens from `src` over the replica, started: its Work (wait() ends it)."""
         import torch.distributed as dist
 
         if self.p.rank == src:
             self.stats.add("broadcast", t.numel() * t.element_size())
-        self._talk("the broadcast of the tokens", [src] if src != self.p.rank else
-                   self.plan.replica_group(self.p.replica), dist.broadcast, t, src=src, group=self.replica)
+        try:
+            return dist.broadcast(t, src=src, group=self.replica, async_op=True)
+        except (RuntimeError, OSError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RuntimeFault(f"rank {self.p.rank}: the broadcast of the tokens from rank {src} failed ({why})") \
+                from None
 
     # ---- one step of the schedule ---------------------------------------------------------------------------------
     def forward(self, ids, mask, past: list) -> tuple[list, int]:
@@ -312,51 +321,128 @@ class Rank:
                    group=self.tp_group)
         return pieces
 
-    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], micro_batches: int = 1,
-             pick_across=None):
+    def step(self, ids, mask, past: list, pick, rows: list[tuple[int, int, int]], pick_across=None):
         """One token's step: ids and mask are this rank's rows, `rows` every token source's (first, end, padded)
         rows within the replica. Returns (the replica's next tokens, present). The token source picks the tokens
         with `pick(the whole vocabulary's logits)`, or with tp > 1 and `pick_across` (greedy decoding) with
         `pick_across(the tp ranks' argmax rows)`: a distributed argmax, which gathers ARGMAX_BYTES a row instead of
-        each slice's logits (docs/architecture.md, "Tensor parallelism").
-
-        With `micro_batches` M > 1 the rows run as M contiguous micro-batches (even_slices; every rank of the
-        replica splits its rows alike), each its own recv / run / send, so stage s runs micro-batch m while stage
-        s + 1 runs m - 1 (docs/architecture.md, "Micro-batches"), and the last stage picks every row's token once
-        all have run. Each micro-batch keeps its own state from step to step (MicroStates: the split is the same
-        every step), never sliced or joined again: a GPU rank's state is device buffers, and on the CPU that saves
-        copying every row's caches twice a step. The first step splits the initial (host) state."""
+        each slice's logits (docs/architecture.md, "Tensor parallelism"). Micro-batches run in `decode_micro`."""
         import torch
 
+        outs, head = self.forward(ids, mask, past)
+        last = self.picked(outs[0][:, -1], pick, pick_across) if self.p.last else None
+        nxt = torch.empty(rows[-1][1], dtype=torch.int64)
+        for s, (lo, hi, padded) in zip(self._sources(), rows):
+            buf = torch.empty(padded, dtype=torch.int64)
+            if self.p.rank == s:
+                buf.copy_(last)
+            self.broadcast(buf, s)
+            nxt[lo:hi] = buf[:hi - lo]
+        return nxt, outs[head:]
+
+    def _sources(self) -> list[int]:
+        """The replica's token sources, in the order every rank broadcasts their tokens."""
+        return [s["from"] for s in self.schedule if s["op"] == "broadcast"]
+
+    def picked(self, last, pick, pick_across=None):
+        """The last stage's rows' next tokens from their last logits [rows, vocab slice] (every rank of the
+        source's tp group calls it): a tensor on a token source, None elsewhere."""
+        if pick_across is not None:
+            pieces = self.gathered(last, argmax=True)  # a list on the source: the tp ranks' argmax rows
+            if isinstance(pieces, list):
+                return pick_across(pieces)
+            return pick(pieces) if pieces is not None and self._is_source() else None  # tp = 1: no gather
+        whole = self.whole_logits(last)
+        return pick(whole) if whole is not None and self._is_source() else None
+
+    def _is_source(self) -> bool:
+        return self.p.rank in self._sources()
+
+    def decode_micro(self, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: int | None, past: list,
+                     own: tuple[int, int, int], rows: list[tuple[int, int, int]], micro_batches: int, pick,
+                     pick_across=None, on_step=None):
+        """`run --micro-batches M` (M > 1): decoding.decode_loop's rows, tokens and timings, with the stages
+        pipelined across steps (docs/architecture.md, "Micro-batches"). The rank's rows (`own`: first, end, padded,
+        within the replica) run as M contiguous micro-batches (even_slices; every rank of the replica splits its
+        rows alike), each its own recv / run / send, so stage s runs micro-batch m while stage s + 1 runs m - 1.
+        The token sources pick and broadcast each micro-batch's tokens as soon as it has run (asynchronously), and
+        the first stage waits for micro-batch m's tokens only when the next step reaches m: a step never drains the
+        pipeline, where one broadcast of every row's tokens at the end of the step left the first stage idle while
+        the last ran its last micro-batch. Each micro-batch keeps its own state from step to step (MicroStates).
+        Every rank decides the next step from the tokens it has (those of two steps back): when every row has
+        ended, at most one step more runs, whose tokens are dropped as decode_loop drops a finished row's.
+        Returns (Generation, the present MicroStates). `pick(logits, index)`, `pick_across(pieces, index)`."""
+        import numpy as np
+        import torch
+
+        from k3compile.decoding import Generation, left_pad
         from k3compile.sharding.plan import even_slices
 
-        parts = [(a, b) for a, b in even_slices(ids.shape[0], micro_batches) if b > a]
-        whole = len(parts) == 1
-        if not whole and not isinstance(past, MicroStates):
-            past = MicroStates([t[a:b] for t in past] for a, b in parts)
-        logits, presents = [], []
-        for k, (a, b) in enumerate(parts):
-            outs, head = self.forward(ids if whole else ids[a:b], mask if whole else mask[a:b],
-                                      past if whole else past[k])
-            logits.append(outs[0] if self.p.last else None)
-            presents.append(outs[head:])
-        present = presents[0] if whole else MicroStates(presents)
-        if self.p.last:
-            mine = (logits[0] if len(parts) == 1 else torch.cat(logits))[:, -1]
-            last = self.whole_logits(mine) if pick_across is None else self.gathered(mine, argmax=True)
-        nxt = torch.empty(rows[-1][1], dtype=torch.int64)
-        sources = [s for s in self.schedule if s["op"] == "broadcast"]
-        for s, (lo, hi, padded) in zip(sources, rows):
-            buf = torch.empty(padded, dtype=torch.int64)
-            if self.p.rank == s["from"]:  # a list: the tp ranks' argmax rows (Rank.gathered)
-                buf.copy_(pick_across(last) if isinstance(last, list) else pick(last))
-            self.broadcast(buf, s["from"])
-            nxt[lo:hi] = buf[:hi - lo]
-        return nxt, present
+        lo, hi, padded = own
+        parts = [(a, b) for a, b in even_slices(padded, micro_batches) if b > a]
+        sources = list(zip(self._sources(), rows))
+        states = MicroStates([t[a:b] for t in past] for a, b in parts)
+        ids, mask = (torch.from_numpy(x) for x in left_pad(prompts, pad))
+        n_rows = len(prompts)
+        out: list[list[int]] = [[] for _ in range(n_rows)]
+        done = np.zeros(n_rows, dtype=bool)
+        known = np.ones(n_rows, dtype=bool)  # the rows of `ids` that hold their token
+        waiting: list[list] = []  # per micro-batch: the broadcasts of the step before, not yet taken
+
+        def take(works) -> None:
+            """The tokens of one micro-batch of the step before, into `ids` (as decode_loop keeps them)."""
+            for work, buf, first, end in works:
+                self._talk("the broadcast of the tokens", [w for w, _ in sources], work.wait)
+                for row, token in zip(range(first, end), buf.tolist()):
+                    token = pad if done[row] else token
+                    if not done[row]:
+                        out[row].append(token)
+                    done[row] |= eos is not None and token == eos
+                    ids[row, 0] = token
+                    known[row] = True
+
+        t0 = time.perf_counter()
+        prefill_s, steps, index = 0.0, 0, 0
+        while index < max_new_tokens and not done.all():
+            self.stats.counting = "prefill" if index == 0 else "decode"
+            if index:
+                ids, known[:] = ids[:, -1:].clone(), False
+                mask = torch.cat([mask, torch.ones(n_rows, 1, dtype=mask.dtype)], dim=1)
+            sent = []
+            for k, (a, b) in enumerate(parts):
+                if index:
+                    take(waiting[k])
+                if not known[lo + a:min(lo + b, hi)].all():
+                    raise RuntimeFault(f"rank {self.p.rank}: micro-batch {k}'s tokens did not arrive before its step")
+                outs, head = self.forward(own_rows(ids, lo, hi, padded)[a:b], own_rows(mask, lo, hi, padded)[a:b],
+                                          states[k])
+                states[k] = outs[head:]
+                last = None
+                if self.p.last:
+                    last = self.picked(outs[0][:, -1], lambda x, i=index: pick(x, i),
+                                       None if pick_across is None else lambda x, i=index: pick_across(x, i))
+                works = []
+                for s, (s_lo, s_hi, _) in sources:
+                    buf = last.to(torch.int64).contiguous() if self.p.rank == s else torch.empty(b - a,
+                                                                                              dtype=torch.int64)
+                    works.append((self.broadcast_async(buf, s), buf, s_lo + a, min(s_lo + b, s_hi)))
+                sent.append(works)
+            waiting = sent
+            if index == 0:
+                prefill_s = time.perf_counter() - t0
+            else:
+                steps += 1
+            if on_step:
+                on_step(index)
+            index += 1
+        for works in waiting:  # the last step's tokens
+            take(works)
+        total = time.perf_counter() - t0
+        return Generation(out, prefill_s, total - prefill_s, steps), states
 
 
 class MicroStates(list):
-    """A rank's decode state as one flat state per micro-batch, in row order (Rank.step with M > 1)."""
+    """A rank's decode state as one flat state per micro-batch, in row order (Rank.decode_micro)."""
 
     def joined(self, host) -> list:
         """The whole state, each tensor's micro-batches joined by rows in host memory (`host`: Rank.host)."""
@@ -463,25 +549,24 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         past = [t for state in init_past(me.state_cfg, padded)[slice(*p.layers)] for t in state]
         sampler = Sampler(options.temperature, options.top_p, options.seed)
-        greedy = sampler.greedy  # pick_next's argmax: with tp > 1 a distributed one (Rank.step)
+        greedy = sampler.greedy  # pick_next's argmax: with tp > 1 a distributed one (Rank.picked)
+
+        def pick(logits, index):
+            if not bool(torch.isfinite(logits).all()):
+                raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
+            return pick_next(logits, sampler)
+
+        def pick_across(pieces, index):  # greedy with tp > 1: the tp ranks' argmax rows (sharding/tensor.py)
+            tokens, finite = join_argmax(pieces)
+            if not finite:
+                raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
+            return tokens
 
         def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
             nonlocal past                     # tokens come back from the last stage (Rank.step)
             me.stats.counting = "prefill" if index == 0 else "decode"
-
-            def pick(logits):
-                if not bool(torch.isfinite(logits).all()):
-                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
-                return pick_next(logits, sampler)
-
-            def pick_across(pieces):  # greedy with tp > 1: the tp ranks' argmax rows (sharding/tensor.py)
-                tokens, finite = join_argmax(pieces)
-                if not finite:
-                    raise RuntimeFault(f"rank {rank}: non-finite logits at step {index}; check the weights")
-                return tokens
-
-            nxt, past = me.step(mine(all_ids), mine(all_mask), past, pick, rows, options.micro_batches,
-                                pick_across if greedy else None)
+            nxt, past = me.step(mine(all_ids), mine(all_mask), past, lambda x: pick(x, index), rows,
+                                (lambda x: pick_across(x, index)) if greedy else None)
             return nxt
 
         def on_step(index):
@@ -489,7 +574,12 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
                 print(f"step {index + 1}/{options.max_new_tokens}", file=sys.stderr, flush=True)
 
         set_collective(me.collective)
-        decoded = decode_loop(step, prompts, options.max_new_tokens, pad, cfg.eos_token_id, on_step)
+        if options.micro_batches > 1:  # the stages pipelined across steps
+            decoded, past = me.decode_micro(prompts, options.max_new_tokens, pad, cfg.eos_token_id, past,
+                                            (own_lo - first, own_hi - first, padded), rows, options.micro_batches,
+                                            pick, pick_across if greedy else None, on_step)
+        else:
+            decoded = decode_loop(step, prompts, options.max_new_tokens, pad, cfg.eos_token_id, on_step)
         set_collective(None)
         if options.states_dir:
             import numpy as np

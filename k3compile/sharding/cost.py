@@ -301,9 +301,11 @@ def evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int, 
     its collectives over the link, in sequence as a decode step runs them layer by layer), the slowest rank of each
     stage, the stages one after the other, the replicas side by side. With `micro_batches` M (`run --micro-batches`,
     at pp > 1; at most a replica's rows) each stage runs M micro-batches of ceil(rows / M) rows, stage s on m while
-    s + 1 runs m - 1 (Rank.step): the step is the stages' times for one micro-batch plus M - 1 times the slowest
-    stage's. A micro-batch reads its stage's dense weights again, so where those reads dominate (memory-bound
-    decode) M > 1 predicts a slower step; where compute does (rank_flops over Device.flops), micro-batches pay.
+    s + 1 runs m - 1, and a micro-batch's next step starts as soon as its tokens are back (Rank.decode_micro): in
+    the steady state a step is the longer of the slowest stage's M micro-batches and one micro-batch's way through
+    every stage. A micro-batch reads its stage's dense weights again, so where those reads dominate (memory-bound
+    decode) M up to pp fills the stages' idle time for little more than one batch's reads, and M past pp predicts a
+    slower step; where compute does (rank_flops over Device.flops), micro-batches pay up to pp.
     `stage_s`: each stage's time for one micro-batch (the whole batch at M = 1)."""
     return _evaluate(cfg, sizes, mesh, batch, context, dtype, device_memory, device, [micro_batches], dispatch)[0]
 
@@ -365,8 +367,8 @@ def _evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int,
     rows = []
     for parts, times in zip(counts, stages):
         per_stage = [[times[(d, st)] for st in range(mesh.pp)] for d in range(mesh.dp) if (d, 0) in times]
-        step = max(sum(t) + (parts - 1) * max(t) for t in per_stage)  # one micro-batch through, then M - 1 at the
-        rows.append({                                                  # slowest stage
+        step = max(max(parts * max(t), sum(t)) for t in per_stage)  # the slowest stage's M, or one micro-batch's
+        rows.append({                                                   # way through every stage
             "mesh": str(mesh), "dispatch": dispatch, "tp": mesh.tp, "ep": mesh.ep, "pp": mesh.pp, "dp": mesh.dp,
             "cuts": list(plan.cuts),
             "fullest_rank": worst["rank"], "device_bytes": worst["bytes"], "device_total": worst["total"],
