@@ -80,9 +80,7 @@ def decode_loop(step: Callable, prompts: list[list[int]], max_new_tokens: int, p
     b = len(prompts)
     out: list[list[int]] = [[] for _ in range(b)]
     done = np.zeros(b, dtype=bool)
-    t0 = time.perf_counter()
-    prefill_s = 0.0
-    steps = 0
+    clock = StepClock()
     for index in range(max_new_tokens):
         nxt = np.where(done, pad, np.asarray(step(ids, mask, index), dtype=np.int64).reshape(b))
         for i in range(b):
@@ -90,18 +88,33 @@ def decode_loop(step: Callable, prompts: list[list[int]], max_new_tokens: int, p
                 out[i].append(int(nxt[i]))
         if eos_token_id is not None:
             done |= nxt == eos_token_id
-        if index == 0:
-            prefill_s = time.perf_counter() - t0
-        else:
-            steps += 1
-        if on_step:
-            on_step(index)
+        clock.stepped(index, on_step)
         if done.all():
             break
         ids = np.ascontiguousarray(nxt[:, None])
         mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], axis=1)
-    total = time.perf_counter() - t0
-    return Generation(out, prefill_s, total - prefill_s, steps)
+    return clock.generation(out)
+
+
+class StepClock:
+    """A decode loop's timings (decode_loop, the sharded runtime's micro-batched loop): the prefill (step 0) apart
+    from the decode steps that follow it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.prefill_s, self.steps = 0.0, 0
+
+    def stepped(self, index: int, on_step: Callable[[int], None] | None = None) -> None:
+        """Step `index` has run."""
+        if index == 0:
+            self.prefill_s = time.perf_counter() - self.t0
+        else:
+            self.steps += 1
+        if on_step:
+            on_step(index)
+
+    def generation(self, tokens: list[list[int]]) -> Generation:
+        return Generation(tokens, self.prefill_s, time.perf_counter() - self.t0 - self.prefill_s, self.steps)
 
 
 class Sampler:

@@ -375,7 +375,7 @@ class Rank:
         import numpy as np
         import torch
 
-        from k3compile.decoding import Generation, left_pad
+        from k3compile.decoding import StepClock, left_pad
         from k3compile.sharding.plan import even_slices
 
         lo, hi, padded = own
@@ -401,8 +401,7 @@ class Rank:
                     ids[row, 0] = token
                     known[row] = True
 
-        t0 = time.perf_counter()
-        prefill_s, steps, index = 0.0, 0, 0
+        clock, index = StepClock(), 0
         while index < max_new_tokens and not done.all():
             self.stats.counting = "prefill" if index == 0 else "decode"
             if index:
@@ -428,17 +427,11 @@ class Rank:
                     works.append((self.broadcast_async(buf, s), buf, s_lo + a, min(s_lo + b, s_hi)))
                 sent.append(works)
             waiting = sent
-            if index == 0:
-                prefill_s = time.perf_counter() - t0
-            else:
-                steps += 1
-            if on_step:
-                on_step(index)
+            clock.stepped(index, on_step)
             index += 1
         for works in waiting:  # the last step's tokens
             take(works)
-        total = time.perf_counter() - t0
-        return Generation(out, prefill_s, total - prefill_s, steps), states
+        return clock.generation(out), states
 
 
 class MicroStates(list):
