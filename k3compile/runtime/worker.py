@@ -556,7 +556,7 @@ def decode(folder: str | Path, options: Options, rank: int, world: int, store) -
             return tokens
 
         def step(all_ids, all_mask, index):  # the replica's batch in; this rank runs its rows, the replica's
-            nonlocal past                     # tokens come back from the last stage (Rank.step)
+            nonlocal past                     # tokens come back from the last stage (Rank.step, M = 1)
             me.stats.counting = "prefill" if index == 0 else "decode"
             nxt, past = me.step(mine(all_ids), mine(all_mask), past, lambda x: pick(x, index), rows,
                                 (lambda x: pick_across(x, index)) if greedy else None)
