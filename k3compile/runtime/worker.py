@@ -96,6 +96,8 @@ class Rank:
         self.p = self.plan.rank(rank)
         self.entry = self.doc["ranks"][rank]
         self.schedule = self.entry["schedule"]
+        # the replica's token sources, in the order every rank broadcasts their tokens
+        self.sources = [s["from"] for s in self.schedule if s["op"] == "broadcast"]
         self.stats = Stats()
         self.wire = options.wire
         timeout = datetime.timedelta(seconds=options.start_timeout)  # joining: the start-up bound (started())
@@ -220,10 +222,11 @@ class Rank:
             out[..., A2A_ID_COLUMN] = -1
         out[room] = host_rows(buf, part == A2A_DISPATCH) if self.wire == "bf16" else buf
 
-    def _talk(self, what: str, peers: list[int], fn, *args, **kw) -> None:
-        """A torch.distributed call whose failure (a dead peer, a timeout) names this rank and its peers."""
+    def _talk(self, what: str, peers: list[int], fn, *args, **kw):
+        """A torch.distributed call (its result) whose failure (a dead peer, a timeout) names this rank and its
+        peers."""
         try:
-            fn(*args, **kw)
+            return fn(*args, **kw)
         except (RuntimeError, OSError) as e:  # gloo's errors (DistBackendError is a RuntimeError)
             others = [r for r in peers if r != self.p.rank]
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -246,8 +249,7 @@ class Rank:
         return out
 
     def broadcast(self, t, src: int) -> None:
-        self._talk("the broadcast of the tokens", [src] if src != self.p.rank else
-                   self.plan.replica_group(self.p.replica), lambda: self.broadcast_async(t, src).wait())
+        self._talk("the broadcast of the tokens", self._peers_of(src), self.broadcast_async(t, src).wait)
 
     def broadcast_async(self, t, src: int):
         """The broadcast of tokens from `src` over the replica, started: its Work (wait() ends it)."""
@@ -255,12 +257,12 @@ class Rank:
 
         if self.p.rank == src:
             self.stats.add("broadcast", t.numel() * t.element_size())
-        try:
-            return dist.broadcast(t, src=src, group=self.replica, async_op=True)
-        except (RuntimeError, OSError) as e:
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise RuntimeFault(f"rank {self.p.rank}: the broadcast of the tokens from rank {src} failed ({why})") \
-                from None
+        return self._talk("the broadcast of the tokens", self._peers_of(src), dist.broadcast, t, src=src,
+                          group=self.replica, async_op=True)
+
+    def _peers_of(self, src: int) -> list[int]:
+        """Whom a broadcast from `src` waits on here: the source, or on the source its replica."""
+        return [src] if src != self.p.rank else self.plan.replica_group(self.p.replica)
 
     # ---- one step of the schedule ---------------------------------------------------------------------------------
     def forward(self, ids, mask, past: list) -> tuple[list, int]:
@@ -332,17 +334,13 @@ class Rank:
         outs, head = self.forward(ids, mask, past)
         last = self.picked(outs[0][:, -1], pick, pick_across) if self.p.last else None
         nxt = torch.empty(rows[-1][1], dtype=torch.int64)
-        for s, (lo, hi, padded) in zip(self._sources(), rows):
+        for s, (lo, hi, padded) in zip(self.sources, rows):
             buf = torch.empty(padded, dtype=torch.int64)
             if self.p.rank == s:
                 buf.copy_(last)
             self.broadcast(buf, s)
             nxt[lo:hi] = buf[:hi - lo]
         return nxt, outs[head:]
-
-    def _sources(self) -> list[int]:
-        """The replica's token sources, in the order every rank broadcasts their tokens."""
-        return [s["from"] for s in self.schedule if s["op"] == "broadcast"]
 
     def picked(self, last, pick, pick_across=None):
         """The last stage's rows' next tokens from their last logits [rows, vocab slice] (every rank of the
@@ -351,12 +349,9 @@ class Rank:
             pieces = self.gathered(last, argmax=True)  # a list on the source: the tp ranks' argmax rows
             if isinstance(pieces, list):
                 return pick_across(pieces)
-            return pick(pieces) if pieces is not None and self._is_source() else None  # tp = 1: no gather
+            return pick(pieces) if pieces is not None and self.p.rank in self.sources else None  # tp = 1: no gather
         whole = self.whole_logits(last)
-        return pick(whole) if whole is not None and self._is_source() else None
-
-    def _is_source(self) -> bool:
-        return self.p.rank in self._sources()
+        return pick(whole) if whole is not None and self.p.rank in self.sources else None
 
     def decode_micro(self, prompts: list[list[int]], max_new_tokens: int, pad: int, eos: int | None, past: list,
                      own: tuple[int, int, int], rows: list[tuple[int, int, int]], micro_batches: int, pick,
@@ -380,7 +375,7 @@ class Rank:
 
         lo, hi, padded = own
         parts = [(a, b) for a, b in even_slices(padded, micro_batches) if b > a]
-        sources = list(zip(self._sources(), rows))
+        sources = list(zip(self.sources, rows))
         states = MicroStates([t[a:b] for t in past] for a, b in parts)
         ids, mask = (torch.from_numpy(x) for x in left_pad(prompts, pad))
         n_rows = len(prompts)

@@ -452,8 +452,7 @@ class _WalkRank:
         self.stats = type("S", (), {"counting": None, "add": staticmethod(lambda *a: None)})()
         self.calls: list[int] = []  # each forward's rows
 
-    def _sources(self) -> list[int]:
-        return [0]
+    sources = [0]
 
     def forward(self, ids, mask, past):
         assert ids.shape[0] == mask.shape[0] == past[0].shape[0]
