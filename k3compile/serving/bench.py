@@ -4,7 +4,8 @@ live server process over HTTP, as a client sees it.
 - Time to first token of a prompt whose prefix the cache holds (a `prefix`-token shared prefix, a `suffix`-token
   new tail) against the same shape of prompt never seen (a fresh random prefix each time).
 - `clients` concurrent streaming requests of `tokens` tokens each against the same requests one by one: total
-  generated tokens per second (continuous batching).
+  generated tokens per second (continuous batching). Both on open connections: the one-by-one requests share one
+  keep-alive connection, and the concurrent clients connect before the clock starts.
 - One client's decode tokens/s through the server (from its stream's token times) against `generate` on the same
   artifact in this process (the serving overhead: HTTP, SSE, the engine's bookkeeping).
 
@@ -162,7 +163,12 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
                 prompts = [ids(16) for _ in range(clients)]
 
                 async def together(prompts=prompts):
-                    async with httpx.AsyncClient() as ac:
+                    """(the clients' token counts, the seconds from the first request to the last token): the
+                    clients connect first (one GET /health each, all at once, so `clients` connections open), and
+                    the clock starts once they have, as the one-by-one requests below run on an open connection."""
+                    async with httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=clients)) as ac:
+                        await asyncio.gather(*(ac.get(url + "/health", timeout=60) for _ in prompts))
+
                         async def one(p):
                             body = {"model": model, "prompt": p, "max_tokens": tokens, "temperature": 0,
                                     "stream": True, "ignore_eos": True}
@@ -172,11 +178,11 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
                                     if line.startswith("data: {"):
                                         n += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
                             return n
-                        return await asyncio.gather(*(one(p) for p in prompts))
+                        t0 = time.perf_counter()
+                        counts = await asyncio.gather(*(one(p) for p in prompts))
+                        return counts, time.perf_counter() - t0
 
-                t0 = time.perf_counter()
-                counts = asyncio.run(together())
-                wall = time.perf_counter() - t0
+                counts, wall = asyncio.run(together())
                 if sum(counts) != clients * tokens:
                     raise ServeBenchError(f"concurrent requests got {sum(counts)} tokens, not {clients * tokens}")
                 rows["concurrent_tok_s"].append(clients * tokens / wall)
