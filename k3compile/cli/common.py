@@ -16,7 +16,7 @@ from k3compile.artifact import Terminated, sigterm_raises
 from k3compile.errors import UserError
 from k3compile.interface import DEFAULT_TOL
 from k3compile.runtime.worker import START_S
-from k3compile.sharding.plan import DISPATCH
+from k3compile.sharding.plan import AUTO_MICRO_BATCHES, DISPATCH
 
 __all__ = ["DEFAULT_TOL", "DENSE_HELP", "SEED", "THREADS_HELP", "FiniteFloat", "dense_summary", "dumps", "parse_ids",
            "progress", "status", "user_errors"]
@@ -158,6 +158,20 @@ def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
         raise click.BadParameter(f"{'token id ' if option == '--prompt-ids' else ''}{long[:20]}... {what}",
                                  param_hint=option)
     return [int(t) for t in parts]
+
+
+def micro_batches_callback(top: int):
+    """--micro-batches' callback (plan, run): a count from 1 to `top`, or "auto" (AUTO_MICRO_BATCHES)."""
+    bound = IntRange(1, top)
+
+    def parse(ctx, param, value: str) -> int:
+        if value == "auto":
+            return AUTO_MICRO_BATCHES
+        try:
+            return bound.convert(value, param, ctx)
+        except click.BadParameter:
+            raise click.BadParameter(f"{value!r} is neither a count from 1 to {top} nor 'auto'") from None
+    return parse
 
 
 SEED = IntRange(0, 2**64 - 1)  # a 64-bit seed (decoding.Sampler's PCG64 takes any; torch's weight draws this)

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import click
 
-from k3compile.cli.common import DISPATCH_FLAGS, FiniteFloat, IntRange, dumps, name_list, table_console, user_errors
+from k3compile.cli.common import (
+    DISPATCH_FLAGS,
+    FiniteFloat,
+    IntRange,
+    dumps,
+    micro_batches_callback,
+    name_list,
+    table_console,
+    user_errors,
+)
+from k3compile.sharding.plan import AUTO_MICRO_BATCHES as AUTO
 from k3compile.sharding.plan import MAX_RANKS
 
 GIB = 2**30
 SIZE = IntRange(1, 2**31 - 1)  # every size at most 2^31 - 1 (docs/architecture.md, "Errors")
 MAX_DEVICE_GIB = 2**20  # 1 PiB a device: a typo's bound, far past any accelerator
-
-
-AUTO = 0  # --micro-batches auto
-
-
-def _micro_batches(ctx, param, value: str) -> int:
-    if value == "auto":
-        return AUTO
-    try:
-        return SIZE.convert(value, param, ctx)
-    except click.BadParameter:
-        raise click.BadParameter(f"{value!r} is neither a count from 1 to {2**31 - 1} nor 'auto'") from None
 
 
 @click.command("plan")
@@ -50,8 +48,8 @@ def _micro_batches(ctx, param, value: str) -> int:
               type=FiniteFloat(min=0, min_open=True, max=1e9),
               help="TFLOP/s a device computes at (dense bf16 matrix work; a stage takes the longer of its reads and "
                    "its compute).")
-@click.option("--micro-batches", "micro_batches", default="1", show_default=True, callback=_micro_batches,
-              metavar="M|auto",
+@click.option("--micro-batches", "micro_batches", default="1", show_default=True,
+              callback=micro_batches_callback(2**31 - 1), metavar="M|auto",
               help="Price each mesh with pp > 1 running its rows as M micro-batches (run --micro-batches; at most a "
                    "replica's rows); auto: each mesh at the count that predicts its fastest step.")
 @click.option("--dispatch", "dispatches", default="all-reduce", show_default=True,

@@ -12,6 +12,7 @@ from k3compile.cli.common import (
     FiniteFloat,
     IntRange,
     dumps,
+    micro_batches_callback,
     node_options,
     parse_ids,
     stuck_safe,
@@ -39,9 +40,11 @@ from k3compile.cli.common import (
 @click.option("--device", "devices", default=None, metavar="N[,N...]",
               help="GPU ranks: the device index of each of this node's ranks, in rank order (one index: all of them) "
                    "[default: the driver's variable (K3COMPILE_OPENCL_DEVICE, K3COMPILE_WEBGPU_ADAPTER), else 0].")
-@click.option("--micro-batches", "micro_batches", default=1, show_default=True, type=IntRange(1, 4096),
-              help="Run each step's rows as this many micro-batches so that pipeline stages overlap (pp > 1, CPU "
-                   "or GPU ranks; at most the rows a replica decodes).")
+@click.option("--micro-batches", "micro_batches", default="auto", show_default=True,
+              callback=micro_batches_callback(4096), metavar="M|auto",
+              help="Run each step's rows as M micro-batches so that pipeline stages overlap (pp > 1, CPU or GPU "
+                   "ranks; at most the rows a replica decodes); auto: pp of them, at most the rows of the smallest "
+                   "replica (1 without stages), which keeps every stage busy.")
 @WIRE_OPTION
 @click.option("--stats", is_flag=True, help="Print each rank's bytes per decode token by collective, measured and "
                                             "as the plan predicts.")
@@ -76,8 +79,9 @@ def command(folder, prompt_ids, max_new_tokens, temperature, top_p, seed, thread
     if res["decode_tokens_per_s"] is not None and not quiet:
         from k3compile.sharding import Mesh
 
+        micro = f", {res['micro_batches']} micro-batches" if res["micro_batches"] > 1 else ""
         click.echo(f"decode: {res['decode_tokens_per_s']:.1f} tokens/s over mesh {Mesh(**res['mesh'])} "
-                   f"({res['dispatch'].replace('_', '-')} dispatch)")
+                   f"({res['dispatch'].replace('_', '-')} dispatch{micro})")
     if stats:
         _stats(res)
 

@@ -38,6 +38,7 @@ from k3compile.runtime.worker import (
     report_failure,
     write_options,
 )
+from k3compile.sharding.plan import AUTO_MICRO_BATCHES, auto_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         raise RuntimeFault(f"mesh {plan.mesh} with {plan.dispatch} dispatch needs a batch of at least {need} prompts "
                            "(every replica, and with all-to-all every row group of a stage, decodes at least one)")
     check_wire(plan, options.wire, folder)
+    if options.micro_batches == AUTO_MICRO_BATCHES:
+        options = dataclasses.replace(options, micro_batches=auto_micro_batches(plan.mesh, len(options.prompts)))
     if options.micro_batches > 1:
         rows = -(-len(options.prompts) // plan.mesh.dp)  # the rows of the fullest replica
         if plan.mesh.pp == 1:
@@ -106,7 +109,7 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         shutil.rmtree(run_dir, ignore_errors=True)
         if hosted is not None:
             hosted.close()
-    return summarize(folder, results)
+    return {**summarize(folder, results), "micro_batches": options.micro_batches}
 
 
 def node_share(plan, rdzv: Rendezvous) -> range:

@@ -72,7 +72,9 @@ class Options:
     progress: bool = False  # rank 0 reports each step on stderr
     devices: tuple[int, ...] = ()  # GPU ranks: the device of each of this node's ranks in rank order (one: all)
     serve: bool = False  # a server's rank (backends/sharded.py): commands from the world's last rank, not a decode
-    micro_batches: int = 1  # each step's rows in this many micro-batches, so that stages overlap (Rank.decode_micro)
+    # each step's rows in this many micro-batches, so that stages overlap (Rank.decode_micro); AUTO_MICRO_BATCHES
+    # (sharding/plan.py): launch.run picks the count (auto_micro_batches), so a rank always gets a count
+    micro_batches: int = 1
     wire: str = "fp32"  # the all-to-all's latent vectors on the wire: fp32 (exact) or bf16 (Rank._exchange)
     start_timeout: float = START_S  # seconds loading may take before the ranks wait for each other (loaded)
     nnodes: int = 1  # the machines the world spans (each node's failure key: NODE_FAILED)

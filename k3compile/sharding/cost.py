@@ -26,6 +26,7 @@ from k3compile.sharding.plan import (
     ShardPlan,
     carry_names,
     make_plan,
+    micro_parts,
     slice_runs,
     slot_share,
 )
@@ -382,12 +383,6 @@ def _evaluate(cfg: K3Config, sizes: Sizes, mesh: Mesh, batch: int, context: int,
                           "device_bandwidth": device.bandwidth, "link_bandwidth": device.link,
                           "device_flops": device.flops}})
     return rows
-
-
-def micro_parts(mesh: Mesh, batch: int, micro_batches: int) -> int:
-    """The micro-batches a mesh runs for `micro_batches` asked: 1 without stages to overlap (pp = 1), at most the
-    smallest replica's rows (`run` refuses more)."""
-    return 1 if mesh.pp == 1 else max(1, min(micro_batches, batch // mesh.dp))
 
 
 def does_not_fit(row: dict, device_memory: int) -> str:

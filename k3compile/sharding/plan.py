@@ -126,6 +126,23 @@ def slice_runs(n: int, parts: int) -> list[tuple[int, int, int]]:
     return [run for run in ((q + 1, 0, r), (q, r, parts - r)) if run[2]]
 
 
+def micro_parts(mesh: Mesh, batch: int, micro_batches: int) -> int:
+    """The micro-batches a mesh runs for `micro_batches` asked: 1 without stages to overlap (pp = 1), at most the
+    smallest replica's rows (`run` refuses more)."""
+    return 1 if mesh.pp == 1 else max(1, min(micro_batches, batch // mesh.dp))
+
+
+AUTO_MICRO_BATCHES = 0  # `--micro-batches auto` (plan: cost.fastest_micro_batches; run: auto_micro_batches)
+
+
+def auto_micro_batches(mesh: Mesh, batch: int) -> int:
+    """`run --micro-batches auto`: pp micro-batches, as many as there are stages to keep busy, at most the smallest
+    replica's rows (1 with pp = 1). Past pp each micro-batch reads its stage's weights again for no more overlap:
+    the device model (sharding/cost.py) predicts a slower step where those reads dominate a step
+    (docs/architecture.md, "Micro-batches")."""
+    return micro_parts(mesh, batch, mesh.pp)
+
+
 def stage_cuts(cfg: K3Config, pp: int) -> list[int]:
     """Layer boundaries [0, c1, ..., L]: balanced by layer count, each moved to the nearest AttnRes block edge when
     that edge lies within a quarter stage (at least one layer) of the balanced cut and keeps the stages non-empty."""

@@ -345,6 +345,21 @@ def test_micro_batches_pipeline_the_stages_and_decode_the_same(sharded, referenc
                  micro_batches)
 
 
+def test_run_pipelines_the_stages_by_default(sharded, references):
+    """`run` without --micro-batches (auto): ep=2,pp=2 with the three prompts runs 2 micro-batches (pp) and decodes
+    eager's tokens, says so on its decode line; one prompt runs as one (the rows bound it)."""
+    eager = references["k3-tiny"][0]
+    folder = str(sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")])
+    prompts = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    res = cli("run", folder, *prompts, "--max-new-tokens", "8", "--json", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(res.stdout)
+    assert doc["micro_batches"] == 2
+    assert doc["tokens"] == generate(eager, PROMPTS, 8, eos_token_id=eager.config.eos_token_id).tokens
+    res = cli("run", folder, "--prompt-ids", "5,17,42,9", "--max-new-tokens", "2", timeout=120)
+    assert res.returncode == 0 and "(all-reduce dispatch)" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("mesh,args,expect", [
     ("ep=2,pp=2", ["--micro-batches", "4"], "--micro-batches 4: above the 3 rows a replica decodes"),
     ("ep=2", ["--micro-batches", "2"], "micro-batches pipeline the stages of a mesh with pp > 1")])

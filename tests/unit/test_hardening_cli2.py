@@ -478,3 +478,13 @@ def test_bench_decode_past_is_checked_before_work(no_work):
     for bad in ("0", "64,64", "x", "64,"):
         r = run("bench", "--decode-past", bad)
         assert r.exit_code == 2 and "--decode-past" in r.output, (bad, r.output)
+
+
+@pytest.mark.parametrize("verb,value", [
+    *((("run", "x"), v) for v in ("0", "-1", "２", "1_0", "x", "", "AUTO", "4097")),
+    *((("plan", "--devices", "4"), v) for v in ("0", "-1", "２", "x", "auto2", str(2**31)))])
+def test_micro_batches_is_a_count_or_auto(verb, value):
+    """`run` and `plan` --micro-batches: a count (run: at most 4096; plan: 2**31 - 1) or "auto", anything else one
+    line before any work (run's folder "x" does not exist: the option is refused first)."""
+    r = run(*verb, "--micro-batches", value)
+    assert r.exit_code == 2 and not crashed(r) and "neither a count from 1 to" in r.output, r.output

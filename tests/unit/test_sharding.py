@@ -498,3 +498,16 @@ def test_micro_batched_decode_keeps_decode_loops_tokens(prompts, padded, new, mi
     assert rank.calls == parts * steps
     assert steps == (0 if new == 0 else 1 + want.decode_steps + (want.decode_steps + 1 < new))
     assert np.isfinite(got.decode_s)
+
+
+def test_run_micro_batches_auto_is_the_stage_count_within_the_smallest_replica():
+    """`run --micro-batches auto` (its default): pp micro-batches, at most the rows of the smallest replica (batch //
+    dp), 1 without stages: the hand rule on meshes where each bound decides."""
+    from k3compile.sharding.plan import auto_micro_batches
+
+    assert auto_micro_batches(Mesh(ep=2), 8) == 1  # pp = 1: nothing to overlap
+    assert auto_micro_batches(Mesh(ep=2, pp=2), 3) == 2  # pp
+    assert auto_micro_batches(Mesh(pp=4), 3) == 3  # the rows
+    assert auto_micro_batches(Mesh(pp=2, dp=2), 3) == 1  # replicas of 2 and 1 rows: the smaller
+    assert auto_micro_batches(Mesh(pp=8, dp=2, tp=2), 64) == 8
+    assert auto_micro_batches(Mesh(pp=2), 1) == 1
