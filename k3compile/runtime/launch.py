@@ -8,8 +8,11 @@ on one machine, to the address `--rendezvous` names on several); each launcher s
 options, their one-line errors and rank 0's result, removed at the end. The launcher watches its workers: when
 one fails (an error, a kill, a timeout in a collective) it stops the others and the run ends with one line naming
 the rank; SIGTERM or Ctrl-C stop them all too. Workers die with their launcher (PR_SET_PDEATHSIG), so none is ever
-left behind. `summarize` turns the ranks' results into the tokens per prompt, the decode speed and each rank's bytes
-per collective next to the plan's (runtime/report.py).
+left behind. Over several nodes every launcher is given the request (prompts, decoding options, micro-batches): node
+0 puts its own into the store as JSON and another node that was given a different one stops the run with one line
+naming the options that differ (`agree_with_node_0`), where ranks decoding different requests would wait on each
+other until a timeout or decode another batch. `summarize` turns the ranks' results into the tokens per prompt, the
+decode speed and each rank's bytes per collective next to the plan's (runtime/report.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3compile.runtime.rendezvous import Rendezvous, RendezvousError, host_store, interface_of, join
@@ -35,6 +39,7 @@ from k3compile.runtime.worker import (
     Options,
     RuntimeFault,
     error_file,
+    node_failure,
     report_failure,
     write_options,
 )
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_S = 5  # seconds a worker has to exit on SIGTERM when the run ends, before SIGKILL
 POLL_S = 0.05
+OTHERS_S = 0.5  # how often a launcher of several nodes asks the store whether another node failed (_watch_node)
 SETTLE_S = 0.5  # after a first failure, how long the others' reports are awaited (to name the cause, not a victim)
 
 
@@ -96,11 +102,13 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if rdzv.node_rank == 0:
             hosted = host_store(rdzv, world, options.timeout)
             rdzv, store = hosted.rendezvous, hosted.store
+            store.set(REQUEST, request_of(options))
         else:
             store = join(rdzv, options.timeout)  # fail here, with one line, when node 0 is not there
+            agree_with_node_0(store, options, rdzv.node_rank)
         write_options(run_dir, folder.resolve(), options, rdzv)
         procs.update(spawn(run_dir, ranks, world, options.threads, ifname, device_env))
-        _watch_node(procs, run_dir, store, rdzv.node_rank)
+        _watch_node(procs, run_dir, store, rdzv.node_rank, rdzv.nnodes)
         if rdzv.node_rank != 0:
             return None
         results = json.loads((run_dir / RESULT).read_text())
@@ -110,6 +118,44 @@ def run(folder: str | Path, options: Options, rendezvous: Rendezvous | None = No
         if hosted is not None:
             hosted.close()
     return {**summarize(folder, results), "micro_batches": options.micro_batches}
+
+
+REQUEST = "k3compile/run/request"  # node 0's request_of, for the other nodes to compare theirs with
+# what every node's ranks must decode alike: the options' fields, and the option that sets each
+REQUEST_OPTIONS = {"prompts": "--prompt-ids", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                   "top_p": "--top-p", "seed": "--seed", "micro_batches": "--micro-batches", "wire": "--wire-dtype"}
+
+
+def request_of(options: Options) -> str:
+    """The request every node must share, as JSON (micro_batches as resolved: auto is a count by then)."""
+    return json.dumps({k: getattr(options, k) for k in REQUEST_OPTIONS}, sort_keys=True)
+
+
+def agree_with_node_0(store, options: Options, node: int) -> None:
+    """Node `node` > 0: the request node 0 put into the store equals this node's, else the run stops (every node's
+    launcher sees the line: worker.report_failure) with one line naming the options that differ. Node 0's value is
+    read as JSON, nothing else; a value that is not the JSON of a request is a difference too."""
+    try:
+        theirs = store.get(REQUEST).decode(errors="replace")  # node 0 puts it there before this node could join
+    except (RuntimeError, OSError) as e:  # the store's timeout (--timeout), or node 0 gone
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise RuntimeFault(f"node {node}: node 0 gave no request to decode ({why})") from None
+    mine = request_of(options)
+    if theirs == mine:
+        return
+    try:
+        doc = json.loads(theirs)
+    except ValueError:
+        doc = None
+    mine_doc = json.loads(mine)  # as JSON gives it back (lists, not tuples)
+    differ = [flag for k, flag in REQUEST_OPTIONS.items() if not isinstance(doc, dict) or doc.get(k) != mine_doc[k]]
+    line = (f"node {node} was given another request than node 0 ({', '.join(differ or ['its form'])} differ): run "
+            "every node with the same prompts and decoding options")
+    try:
+        report_failure(store, node, line)
+    except (RuntimeError, OSError):  # node 0 is gone already
+        pass
+    raise RuntimeFault(line)
 
 
 def node_share(plan, rdzv: Rendezvous) -> range:
@@ -153,7 +199,7 @@ def serve_node(folder: str | Path, options: Options, rendezvous: Rendezvous) -> 
     try:
         write_options(run_dir, folder.resolve(), options, rendezvous)
         procs.update(spawn(run_dir, ranks, plan.mesh.size + 1, options.threads, ifname, device_env))
-        _watch_node(procs, run_dir, store, rendezvous.node_rank)
+        _watch_node(procs, run_dir, store, rendezvous.node_rank, rendezvous.nnodes)
     finally:
         stop_all(procs)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -188,11 +234,20 @@ def device_env_of(target: str, devices, per_node: int) -> list[dict]:
     return [{name: str(devices[i if len(devices) > 1 else 0])} for i in range(per_node)]
 
 
-def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: int) -> None:
+def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: int, nnodes: int = 1) -> None:
     """_watch this node's workers; a failure's line also goes into the run's store (worker.report_failure), where the
-    other nodes' ranks waiting for every rank to load (worker.loaded) and a server (backends/sharded.py) read it."""
+    other nodes' launchers (polling it here), their ranks waiting for every rank to load (worker.loaded) and a server
+    (backends/sharded.py) read it. A failure another node reported stops this node's workers with its line: its ranks
+    may still be joining the world, which waits for the missing ranks until --start-timeout."""
+
+    def elsewhere() -> str | None:
+        try:
+            return node_failure(store, nnodes)
+        except (RuntimeError, OSError):  # the store's host is gone: the workers' collectives fail on their own
+            return None
+
     try:
-        _watch(procs, run_dir)
+        _watch(procs, run_dir, elsewhere if nnodes > 1 else None)
     except RuntimeFault as e:
         try:
             report_failure(store, node, str(e))
@@ -201,8 +256,11 @@ def _watch_node(procs: dict[int, subprocess.Popen], run_dir: Path, store, node: 
         raise
 
 
-def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:
-    """Wait until every worker exits; at the first failure, stop the others and raise the line naming the cause."""
+def _watch(procs: dict[int, subprocess.Popen], run_dir: Path, elsewhere: Callable[[], str | None] | None = None
+           ) -> None:
+    """Wait until every worker exits; at the first failure, stop the others and raise the line naming the cause.
+    `elsewhere`: another node's failure line or None, asked every OTHERS_S (the caller then stops the workers)."""
+    asked = time.monotonic()
     while True:
         codes = {r: exit_code(p) for r, p in procs.items()}
         if all(c == 0 for c in codes.values()):
@@ -214,6 +272,11 @@ def _watch(procs: dict[int, subprocess.Popen], run_dir: Path) -> None:
                 codes = {r: exit_code(p) for r, p in procs.items()}
             failed = {r: c for r, c in codes.items() if c not in (None, 0)}
             raise RuntimeFault(failure_line(failed, run_dir))
+        if elsewhere is not None and time.monotonic() - asked >= OTHERS_S:
+            asked = time.monotonic()
+            line = elsewhere()
+            if line is not None:
+                raise RuntimeFault(line)
         time.sleep(POLL_S)
 
 

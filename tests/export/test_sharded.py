@@ -448,6 +448,23 @@ def test_two_nodes_decode_the_same_tokens(sharded, references):
     assert json.loads(outs[1][0])["tokens"] == want
 
 
+def test_two_nodes_given_different_requests_stop_with_one_line_each(sharded):
+    """Node 1 given other prompts and another micro-batch count than node 0 (pp=2: 2 micro-batches by default against
+    1): both launchers end with one line naming the options that differ (node 0's from node 1's report), instead of
+    ranks waiting on each other until --timeout or decoding another batch."""
+    port = free_port()
+    folder = str(sharded[("k3-tiny", "ep=2,pp=2", "all-reduce")])
+    cmd = [sys.executable, "-m", "k3compile.cli", "run", folder, "--nnodes", "2", "--rendezvous", f"127.0.0.1:{port}",
+           "--max-new-tokens", "2", "--prompt-ids", "1,2", "--prompt-ids"]
+    nodes = [subprocess.Popen([*cmd, ids, "--node-rank", str(r), *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r, ids, extra in ((1, "3,4", ["--micro-batches", "1"]), (0, "3,5", []))]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 1 and out == "" and err.count("Error:") == 1 and "Traceback" not in err, err[-2000:]
+        assert "node 1 was given another request than node 0 (--prompt-ids, --micro-batches differ)" in err, err
+
+
 def test_two_nodes_serve_a_sharded_artifact(sharded, references):
     """`serve OUT --nnodes 2` on two "machines" (node 0 hosting the rendezvous on 127.0.0.1): node 1, started first,
     runs its rank for node 0's server, which runs the other rank and answers over HTTP with eager's greedy tokens;
