@@ -3,10 +3,11 @@
 
 `ExecutorBackend(OUT)` checks the manifest (every file's sha256: the plan, the kernel sources and the weights
 included), opens the target's driver (its device by `device` index, or the driver's environment variable), builds
-every kernel once and uploads the weights once, already in the target's layout: nothing is compiled or lowered at
-load. A step uploads the token ids and the mask; the decode state (`present`, fed back as `past`) stays in device
-memory between steps, and only the logits of each row's last position come back (`host=True`: all of them and the
-state too, for `verify`). No TVM and no model code is imported.
+every kernel once and uploads the weights once, already in the target's layout, then runs the plan once on
+placeholder inputs so that the driver compiles its kernels' device code at load (executors/plan.py: Program.warm):
+nothing is lowered at load. A step uploads the token ids and the mask; the decode state (`present`, fed back as
+`past`) stays in device memory between steps, and only the logits of each row's last position come back
+(`host=True`: all of them and the state too, for `verify`). No TVM and no model code is imported.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class DeviceProgram:
         # "Benchmarks"), uploaded, dropped; every entry checked against the header before it is read
         self.weights = [self.program.upload(t) for t in read_tensors(weights, names)]
         self.driver.sync()
+        try:  # the drivers' compiling at first launch belongs to loading, not to the first step (Program.warm)
+            self.program.warm(self.weights, {"attention_mask": 1})  # a mask of tokens: positions from 0
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            raise ExportError(f"{plan_file}: malformed ({type(e).__name__}: {e}); compile again") from None
 
     def run(self, inputs: list) -> list:
         """main on the graph inputs (host tensors are uploaded, device tensors passed as they are) and the weights:

@@ -162,6 +162,38 @@ class Program:
         result = self._value(self.plan["main"]["result"], values)
         return list(result) if isinstance(result, list) else [result]
 
+    def warm(self, weights: list[DeviceTensor], fill: dict[str, int]) -> None:
+        """main once on placeholder inputs, its results dropped: every shape variable of its inputs 1 (one row, one
+        new position after one cached), each input `fill`'s value by name or 0, the host functions answering zeros
+        (a rank's collectives are not called). Drivers compile a kernel's device code at its first launch, not
+        when it is built (PoCL for its work-group size: 45 s for one stage of k3-tiny on this CPU; Mesa's lavapipe:
+        24 s for k3-tiny with a cold shader cache); this does it inside loading, and not in the first step, where a
+        rank's peers wait for it only --timeout (docs/architecture.md, "GPU artifacts and their executors")."""
+        names: set[str] = set()
+
+        def walk(d) -> None:
+            if isinstance(d, str):
+                names.add(d)
+            elif isinstance(d, list):
+                for x in d[1:]:
+                    walk(x)
+
+        inputs = self.params[:self.num_input]
+        for p in inputs:
+            for d in p["shape"]:
+                walk(d)
+        env = dict.fromkeys(names, 1)
+        args = [self.upload(np.full(tuple(evaluate(d, env) for d in p["shape"]), fill.get(p["name"], 0), p["dtype"]))
+                for p in inputs]
+        externs, self.externs = self.externs, {s: _zeros for s in self.externs}
+        try:
+            outs = self.run([*args, *weights])
+        finally:
+            self.externs = externs
+        for t in [*args, *outs]:
+            self.release(t)
+        self.driver.sync()
+
     def _value(self, ref, values):
         if isinstance(ref, str):
             return values[ref]
@@ -227,6 +259,13 @@ class Program:
             self.driver.launch(launch["kernel"], launch, bufs, values, grid, block)
         for t in scratch:
             self.release(t)
+
+
+def _zeros(*arrays) -> None:
+    """A host function's stand-in in Program.warm: its results zeros."""
+    for a in arrays:
+        if isinstance(a, np.ndarray):
+            a[...] = 0
 
 
 def _bind_all(shapes: list[tuple[list, tuple, str]], env: dict[str, int]) -> None:

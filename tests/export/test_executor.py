@@ -50,8 +50,8 @@ def test_a_gpu_artifact_runs_on_its_device_and_equals_eager(tiny_export, gpu_art
 
 
 def test_loading_a_gpu_artifact_imports_no_tvm(gpu_artifact):
-    """Nothing is compiled or lowered at load: the plan is data, the kernels are source. The whole run, in a fresh
-    process, never imports TVM."""
+    """Nothing is lowered at load: the plan is data, the kernels are source (the device's driver compiles them). The
+    whole run, in a fresh process, never imports TVM."""
     target, artifact = gpu_artifact
     code = ("import json, sys; from k3compile.backends.executor import ExecutorBackend; "
             "from k3compile.generate import generate; "

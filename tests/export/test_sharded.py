@@ -239,6 +239,34 @@ def test_opencl_ranks_decode_the_tokens_of_eager(opencl_sharded, references, tmp
     assert "rank1/launch.json: its sha256 differs" in res.stderr, res.stderr
 
 
+def test_a_gpu_rank_launches_its_kernels_at_load_and_none_of_its_collectives(opencl_sharded, monkeypatch):
+    """Loading a GPU rank's plan runs it once on placeholder inputs: every kernel is launched (drivers compile a
+    kernel's device code at its first launch, PoCL ~45 s for a stage of k3-tiny here, which in the first step kept
+    the rank's peers waiting past --timeout), none of its collectives is called, and the rank's own host functions
+    are in place afterwards."""
+    import json
+
+    from k3compile.backends.executor import DeviceProgram
+    from k3compile.executors import opencl
+
+    launched: list[str] = []
+    real = opencl.OpenCLDriver.launch
+
+    def launch(self, name, *args):
+        launched.append(name)
+        return real(self, name, *args)
+
+    monkeypatch.setattr(opencl.OpenCLDriver, "launch", launch)
+    called: list = []
+    externs = {"k3.all_reduce": lambda *a: called.append(a)}
+    entry = json.loads((opencl_sharded / "manifest.json").read_text())["ranks"][0]
+    plan = json.loads((opencl_sharded / entry["launch_plan"]).read_text())
+    device = DeviceProgram(opencl_sharded / entry["launch_plan"], opencl_sharded / entry["constants"],
+                           opencl_sharded / entry["weights"], entry["params"], "opencl", externs=externs)
+    assert sorted(set(launched)) == sorted(plan["kernels"]) and not called
+    assert device.program.externs is externs
+
+
 @pytest.fixture(scope="session")
 def webgpu_sharded(tmp_path_factory):
     """`k3compile export k3-tiny --mesh ep=2 --dispatch all-to-all --target webgpu` (skips where wgpu finds no
