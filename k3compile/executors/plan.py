@@ -166,9 +166,10 @@ class Program:
         """main once on placeholder inputs, its results dropped: every shape variable of its inputs 1 (one row, one
         new position after one cached), each input `fill`'s value by name or 0, the host functions answering zeros
         (a rank's collectives are not called). Drivers compile a kernel's device code at its first launch, not
-        when it is built (PoCL for its work-group size: 45 s for one stage of k3-tiny on this CPU; Mesa's lavapipe:
-        24 s for k3-tiny with a cold shader cache); this does it inside loading, and not in the first step, where a
-        rank's peers wait for it only --timeout (docs/architecture.md, "GPU artifacts and their executors")."""
+        when it is built (PoCL for its work-group size: 45 s for one stage of k3-tiny on this kind of machine's
+        2-core AMD EPYC; Mesa's lavapipe: 24 s for k3-tiny with a cold shader cache); this does it inside loading,
+        and not in the first step, where a rank's peers wait for it only --timeout (docs/architecture.md, "GPU
+        artifacts and their executors")."""
         names: set[str] = set()
 
         def walk(d) -> None:
@@ -190,8 +191,11 @@ class Program:
             outs = self.run([*args, *weights])
         finally:
             self.externs = externs
-        for t in [*args, *outs]:
-            self.release(t)
+        kept = {id(t.handle) for t in [*weights, *self.constants.values()]}  # a result may be one of these, or an
+        for t in [*args, *outs]:  # input as it came: each placeholder's buffer goes back to the pool once
+            if id(t.handle) not in kept:
+                kept.add(id(t.handle))
+                self.release(t)
         self.driver.sync()
 
     def _value(self, ref, values):
