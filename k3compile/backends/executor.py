@@ -76,7 +76,6 @@ class DeviceProgram:
         # one tensor in host memory at a time, read straight from the file (no memory map: docs/toolchain.md,
         # "Benchmarks"), uploaded, dropped; every entry checked against the header before it is read
         self.weights = [self.program.upload(t) for t in read_tensors(weights, names)]
-        self.driver.sync()
         try:  # the drivers' compiling at first launch belongs to loading, not to the first step (Program.warm)
             self.program.warm(self.weights, {"attention_mask": 1})  # a mask of tokens: positions from 0
         except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:

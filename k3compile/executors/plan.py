@@ -170,20 +170,9 @@ class Program:
         2-core AMD EPYC; Mesa's lavapipe: 24 s for k3-tiny with a cold shader cache); this does it inside loading,
         and not in the first step, where a rank's peers wait for it only --timeout (docs/architecture.md, "GPU
         artifacts and their executors")."""
-        names: set[str] = set()
-
-        def walk(d) -> None:
-            if isinstance(d, str):
-                names.add(d)
-            elif isinstance(d, list):
-                for x in d[1:]:
-                    walk(x)
-
         inputs = self.params[:self.num_input]
-        for p in inputs:
-            for d in p["shape"]:
-                walk(d)
-        env = dict.fromkeys(names, 1)
+        # a shape variable appears alone in some input's shape (`run` binds those first: _bind_all)
+        env = {d: 1 for p in inputs for d in p["shape"] if isinstance(d, str)}
         args = [self.upload(np.full(tuple(evaluate(d, env) for d in p["shape"]), fill.get(p["name"], 0), p["dtype"]))
                 for p in inputs]
         externs, self.externs = self.externs, {s: _zeros for s in self.externs}
