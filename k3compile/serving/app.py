@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3compile.prefix_cache import PrefixCache
@@ -114,6 +115,41 @@ def _unsupported(body: _Body) -> None:
             raise ApiError(400, message, param=param)
 
 
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class _Gate:
+    """The API key's check and the request counter (by endpoint and status), as plain ASGI middleware. Starlette's
+    `@app.middleware("http")` (BaseHTTPMiddleware) passed every chunk of a streamed answer through a stream and a
+    task switch of its own: ~40 % of the event loop's time per streamed token (k3-small, 8 streams, cProfile), time
+    the loop takes from the model's threads on a machine of few cores (docs/architecture.md, "Serving")."""
+
+    def __init__(self, app, api_key: str | None, metrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        known = path if path in ENDPOINTS else "other"
+        if self.api_key is not None and path != "/health":
+            header = Headers(scope=scope).get("authorization", "")
+            given = header[7:] if header[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                self.metrics.requests.labels(known, "401").inc()
+                await ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
+                               code="invalid_api_key").response()(scope, receive, send)
+                return
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(known, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The ASGI app over a started `engine` (serving/engine.py), answering to `model_name`."""
     app = FastAPI(title="k3compile", docs_url=None, redoc_url=None, openapi_url=None)
@@ -141,22 +177,7 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         return ApiError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
                         "invalid_request_error").response()
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        path = request.url.path
-        if api_key is not None and path != "/health":
-            header = request.headers.get("authorization", "")
-            given = header[7:] if header[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                response = ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                    "authentication_error", code="invalid_api_key").response()
-                metrics.requests.labels(path, "401").inc()
-                return response
-        response = await call_next(request)
-        known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                                 "/metrics") else "other"
-        metrics.requests.labels(known, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():

@@ -171,6 +171,15 @@ def test_bad_requests_get_json_errors_and_the_server_goes_on(server):
     assert httpx.get(url + "/health").json()["status"] == "ok"  # no key needed there
     r = _post(url, "/v1/chat/completions", chat)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) >= 1
+    # the gate counts every answer by endpoint and status; paths it does not serve under one label (the server is
+    # shared with other tests, so at least these)
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    counted = {(m[1], m[2]): float(m[3]) for m in
+               re.finditer(r'k3_requests_total\{endpoint="([^"]*)",status="(\d+)"\} (\S+)', metrics)}
+    assert counted.get(("/v1/chat/completions", "401"), 0) >= 2
+    assert counted.get(("/v1/chat/completions", "400"), 0) >= 7
+    assert counted.get(("/v1/chat/completions", "200"), 0) >= 1
+    assert counted.get(("other", "404"), 0) >= 1 and not any(e == "/v1/nothing" for e, _ in counted)
 
 
 def test_sse_framing_and_disconnect(server):

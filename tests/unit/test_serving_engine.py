@@ -200,3 +200,37 @@ def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monk
     monkeypatch.undo()
     for (prompt, n, kw), (r, sink) in zip(specs, reqs):
         assert sink.tokens == generate(backend, [prompt], n, eos_token_id=2, **kw).tokens[0] == r.tokens
+
+
+@pytest.mark.parametrize("poisoned", ["prefill", "decode"])
+def test_non_finite_logits_fail_their_row_only(backend, monkeypatch, poisoned):
+    """A row whose logits are not finite (NaN in one, +inf in another position) gets one error event naming the
+    step, in the left-padded prefill of prompts waiting together or in a decode step of the batch; the other rows
+    go on and get what `generate` gives them alone."""
+    step = backend.step
+    calls = []
+
+    def poisoning(ids, mask, past):
+        logits, present = step(ids, mask, past)
+        calls.append(tuple(ids.shape))
+        if (poisoned == "prefill") == (ids.shape[1] > 1) and len(calls) <= 2:
+            logits = logits.clone()
+            logits[1, -1, 5] = float("nan")
+            logits[1, -1, 9] = float("inf")
+        return logits, present
+
+    monkeypatch.setattr(backend, "step", poisoning)
+    engine = Engine(backend, max_batch=3, prefill_chunk=8)
+    reqs = [_request(_prompt(4 + i, 30 + i), 4) for i in range(3)]
+    for r, _ in reqs:
+        engine.submit(r)
+    _run(engine, lambda: all(s.finish for _, s in reqs))
+    monkeypatch.undo()
+    assert calls[0] == (3, 6)  # the three prompts prefilled together: row 1 is the second request
+    bad = reqs[1][1]
+    assert f"{'prefill' if poisoned == 'prefill' else 'decode step 1'}: the model produced non-finite logits" \
+        in bad.finish
+    assert bad.tokens == ([] if poisoned == "prefill" else bad.tokens[:1]) and len(bad.tokens) <= 1
+    for i in (0, 2):
+        r, sink = reqs[i]
+        assert sink.tokens == generate(backend, [r.prompt], 4, eos_token_id=2).tokens[0]
