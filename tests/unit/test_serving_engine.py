@@ -230,7 +230,7 @@ def test_non_finite_logits_fail_their_row_only(backend, monkeypatch, poisoned):
     bad = reqs[1][1]
     assert f"{'prefill' if poisoned == 'prefill' else 'decode step 1'}: the model produced non-finite logits" \
         in bad.finish
-    assert bad.tokens == ([] if poisoned == "prefill" else bad.tokens[:1]) and len(bad.tokens) <= 1
+    assert len(bad.tokens) == (0 if poisoned == "prefill" else 1)  # its prefill's token, when decode failed
     for i in (0, 2):
         r, sink = reqs[i]
         assert sink.tokens == generate(backend, [r.prompt], 4, eos_token_id=2).tokens[0]
