@@ -63,6 +63,23 @@ class KimiDeltaAttention(nn.Module):
             return self.gate_lower_bound * torch.sigmoid(rate * a)  # K3: g in (lower_bound, 0)
         return -rate * F.softplus(a)  # Kimi-Linear
 
+    def short_conv(self, qkv: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
+        """The causal depthwise convolution of q, k and v over time (docs/model.md, "Kimi Delta Attention"): qkv
+        [B, T, 3HK] after the state's W-1 columns [B, 3HK, W-1] -> ([B, T, 3HK], the new state: the window's last W-1
+        columns). out[t] = sum over w of window[t + w] * weight[:, w], w in order: each of the W shifted slices of the
+        window turned channels-last and multiplied by its weight column, not a Conv over the window, so a compiled
+        graph runs the products as elementwise ops along the static channel axis, vectorized at any rows and tokens
+        (docs/toolchain.md, "CPU schedules"). The window itself stays time-innermost: joined channels-last
+        ([B, W-1+T, 3HK]), its symbolic axis in the middle failed TVM's GPU scheduling (docs/toolchain.md)."""
+        t, w = qkv.shape[1], self.conv_size
+        window = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # [B, 3HK, W-1+T]
+        new_state = window[..., window.shape[-1] - (w - 1):]  # [B, 3HK, W-1]
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)[:, 0]
+        out = window[..., 0:t].transpose(1, 2) * weight[:, 0]
+        for i in range(1, w):
+            out = out + window[..., i:i + t].transpose(1, 2) * weight[:, i]
+        return out, new_state
+
     def output_gate(self, x: Tensor) -> Tensor:
         if hasattr(self, "g_proj"):
             return self.g_proj(x)
@@ -77,11 +94,9 @@ class KimiDeltaAttention(nn.Module):
         h, k = self.num_heads, self.head_dim
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)  # padded tokens project to zero: conv state stays zero
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(1, 2)  # [B, 3HK, T]
-        window = torch.cat([conv_state.to(qkv.dtype), qkv], dim=-1)  # [B, 3HK, W-1+T]
-        new_conv_state = window[..., window.shape[-1] - (self.conv_size - 1):]
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        qkv = F.silu(F.conv1d(window, weight, groups=weight.shape[0])).transpose(1, 2)  # [B, T, 3HK]
+        qkv, new_conv_state = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1),
+                                              conv_state)
+        qkv = F.silu(qkv)  # [B, T, 3HK]
         q, kk, v = (z.reshape(b, t, h, k) for z in qkv.split(h * k, dim=-1))
         q = l2_normalize(q) * k**-0.5
         kk = l2_normalize(kk)
