@@ -183,16 +183,20 @@ def test_a_webgpu_artifact_takes_no_int64_and_its_plan_and_kernels_are_hashed(we
 
 
 def test_a_webgpu_grid_wider_than_the_adapter_allows_is_folded_over_z(tiny_export, webgpu_artifact, monkeypatch):
-    """An 800-token prefill: the KDA short convolution's fused kernel needs 76,800 workgroups along x, over WebGPU's
-    65,535; the driver folds the grid over z as TVM's WGSL expects (blockIdx.z · gridDim.x + blockIdx.x, guarded by
-    packGridDimX), and every output still equals eager's within ATOL."""
+    """An 800-token prefill on a driver that allows 1,024 workgroups per dimension (as an adapter with that limit
+    would; lavapipe's is WebGPU's 65,535, which k3-tiny's widest kernel passes only from ~13k tokens since the KDA
+    short convolution runs as elementwise products: 4,000 workgroups along x at 800 tokens): the driver folds the
+    wider grids over z as TVM's WGSL expects (blockIdx.z · gridDim.x + blockIdx.x, guarded by packGridDimX), and
+    every output still equals eager's within ATOL."""
     from k3compile.backends.executor import ExecutorBackend
     from k3compile.executors import webgpu
 
+    limit = 1024
     widest = []
     real = webgpu.WebGPUDriver.dispatch
 
     def watch(self, key, pipeline, iface, layout, names, handles, values, grid):
+        self.max_workgroups = min(self.max_workgroups, limit)
         widest.append(grid[0])
         return real(self, key, pipeline, iface, layout, names, handles, values, grid)
 
@@ -200,5 +204,5 @@ def test_a_webgpu_grid_wider_than_the_adapter_allows_is_folded_over_z(tiny_expor
     prompt = [(i * 7) % 250 + 3 for i in range(800)]
     rows = compare(EagerBackend(tiny_export[0], Forms.exported()), ExecutorBackend(webgpu_artifact, host=True),
                    decode_steps=1, prompts=[prompt])
-    assert max(widest) > 65535
+    assert max(widest) > limit
     assert all(r["max_abs"] <= ATOL for r in rows), [r for r in rows if not r["max_abs"] <= ATOL][:3]
