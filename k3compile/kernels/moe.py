@@ -12,12 +12,15 @@ decode with the weights out of cache; docs/toolchain.md, "CPU schedules").
 
 The kernel first lists the routed (token, slot) pairs by expert (a counting sort of idx: offsets per expert, then
 the pairs in order; a pair routed outside the slice is in no list and weighs zero). With few pairs (decode), each
-pair is one parallel task running its expert's two GEMVs:
+pair's expert runs two GEMVs:
     h        = W13[e] · z[n]                             (gate and up)
     h[:I]    = act(h[:I], h[I:])                         (SiTU or SiLU, in place)
     o[pair]  = w[n, j] · W2[e] · h[:I]
-the tasks taken in expert order, so a thread's next pair of the same expert finds its weights in cache; only the
-k selected experts' weights are read (the sparse path). The outputs are then summed per token in slot order. When
+as parallel tasks over the pairs in expert order: a task runs its pair and, when the next pair is of the same
+expert, that one too, decoding each packed row once for both (the decode costs more instructions than the FMAs);
+the task of a pair so taken does nothing. Each pair's sums are the same expressions in the same order either way,
+so a token's bits do not depend on what else is in the batch. Only the k selected experts' weights are read (the
+sparse path). The outputs are then summed per token in slot order. When
 there are at least 2.5 times as many pairs as experts in the slice (`grouped`: prefill, larger batches; pairs then
 share experts) it runs instead, in parallel over experts x column tiles, each 32-row weight block of an expert that
 has pairs decoded once into a local tile (from the table where there is one, as the GEMVs) and applied to every
@@ -113,13 +116,6 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         return fp4_twice_x(W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)],
                            Tab[tirx.Ramp(0, 1, 16 if permps else lanes)], lanes, high, permps)
 
-    def looked_step(Acc, W, Tab, e, b, p, col0, lanes: int, X, xrow):
-        """Acc's `lanes` partial sums plus packed row b·16 + p of expert e (its two nibbles: input elements
-        b·32 + 2p and + 1 of row `xrow` of X), in the arithmetic decode's order: (acc + lo · x0) + hi · x1."""
-        return Acc[tirx.Ramp(0, 1, lanes)] + looked(W, Tab, e, b * 16 + p, col0, lanes, 0) * tirx.Broadcast(
-            X[xrow, b * 32 + 2 * p], lanes) + looked(W, Tab, e, b * 16 + p, col0, lanes, 1) * tirx.Broadcast(
-            X[xrow, b * 32 + 2 * p + 1], lanes)
-
     def ahead(W, e, tile, row):
         """Asks the memory for the cache line PREFETCH_ROWS packed rows past row `row` of tile `tile` of expert e (a
         prefetch past the array's end is dropped, never a fault)."""
@@ -176,6 +172,86 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None
 
+    @T.macro
+    def gemv(W, S, X, xdiv, Y, weighted, e, f0, f1, two, tiles, tw, blocks, lanes, table, Tab, Wt):
+        """Y[f] = W[e] · X[f // xdiv] (times the pair's weight Wt[f] when `weighted`) for pair f0, and for pair f1
+        when `two`: each packed row decoded once for both; tile of tw columns, each block's sum times its scale
+        (from the table when `table`: twice the values, the scale halved), a packed row added as (acc + lo · x0) +
+        hi · x1, the arithmetic decode's order. A pair's sums are the same expressions in the same order with or
+        without a second pair (tests/unit/test_kernels.py: a token's bits do not depend on the batch)."""
+        for t in range(tiles):
+            acc = T.alloc_buffer((2, tw), "float32", scope="local")
+            blk = T.alloc_buffer((2, tw), "float32", scope="local")
+            for v in T.vectorized(tw):
+                acc[0, v] = T.float32(0)
+            if two:
+                for v in T.vectorized(tw):
+                    acc[1, v] = T.float32(0)
+            for b in range(blocks):
+                for v in T.vectorized(tw):
+                    blk[0, v] = T.float32(0)
+                if two:
+                    for v in T.vectorized(tw):
+                        blk[1, v] = T.float32(0)
+                if table:
+                    for p in range(16):
+                        T.evaluate(ahead(W, e, t, b * 16 + p))
+                        lo = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 0))
+                        hi = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 1))
+                        blk[0, T.Ramp(0, 1, lanes)] = blk[0, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
+                            X[f0 // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
+                            X[f0 // xdiv, b * 32 + 2 * p + 1], lanes)
+                        if two:
+                            blk[1, T.Ramp(0, 1, lanes)] = blk[1, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
+                                X[f1 // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
+                                X[f1 // xdiv, b * 32 + 2 * p + 1], lanes)
+                    for v in T.vectorized(tw):
+                        acc[0, v] = acc[0, v] + blk[0, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
+                    if two:
+                        for v in T.vectorized(tw):
+                            acc[1, v] = acc[1, v] + blk[1, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
+                else:
+                    for p in range(16):
+                        if mx:
+                            T.evaluate(ahead(W, e, t, b * 16 + p))
+                        for v in T.vectorized(tw):
+                            blk[0, v] = blk[0, v] + elem(W, e, b, p, t * tw + v, 0) * X[
+                                f0 // xdiv, b * 32 + 2 * p] + elem(W, e, b, p, t * tw + v, 1) * X[
+                                f0 // xdiv, b * 32 + 2 * p + 1]
+                        if two:
+                            for v in T.vectorized(tw):
+                                blk[1, v] = blk[1, v] + elem(W, e, b, p, t * tw + v, 0) * X[
+                                    f1 // xdiv, b * 32 + 2 * p] + elem(W, e, b, p, t * tw + v, 1) * X[
+                                    f1 // xdiv, b * 32 + 2 * p + 1]
+                    for v in T.vectorized(tw):
+                        acc[0, v] = acc[0, v] + blk[0, v] * scale(S, e, b, t * tw + v)
+                    if two:
+                        for v in T.vectorized(tw):
+                            acc[1, v] = acc[1, v] + blk[1, v] * scale(S, e, b, t * tw + v)
+            if weighted:
+                for v in T.vectorized(tw):
+                    Y[f0, t * tw + v] = Wt[f0 // Wt.shape[1], f0 % Wt.shape[1]] * acc[0, v]
+                if two:
+                    for v in T.vectorized(tw):
+                        Y[f1, t * tw + v] = Wt[f1 // Wt.shape[1], f1 % Wt.shape[1]] * acc[1, v]
+            else:
+                for v in T.vectorized(tw):
+                    Y[f0, t * tw + v] = acc[0, v]
+                if two:
+                    for v in T.vectorized(tw):
+                        Y[f1, t * tw + v] = acc[1, v]
+
+    @T.macro
+    def activate(H, f):
+        """Pair f's activation, in place in the gate half of H[f] (and its MXFP8 fake quantization, 32-wide blocks
+        along I)."""
+        for t in range(nb):
+            for v in T.vectorized(tb):
+                H[f, t * tb + v] = act(H[f, t * tb + v], H[f, inter + t * tb + v])
+        if quantize:
+            for hb in range(iblk):
+                quant(H, H, f, hb * 32)
+
     @T.prim_func(private=True)
     def moe(z: T.handle, idx: T.handle, w: T.handle, w13: T.handle, w2: T.handle, s13: T.handle,
                   s2: T.handle, y: T.handle):
@@ -213,80 +289,24 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
             if Idx[f // K, f % K] >= offset and Idx[f // K, f % K] < offset + experts:
                 order[pos[Idx[f // K, f % K] - offset]] = f
                 pos[Idx[f // K, f % K] - offset] = pos[Idx[f // K, f % K] - offset] + T.int64(1)
-        if tirx.Not(grouped(N, K, experts)):  # few pairs: each routed pair's two GEMVs on its expert
+        if tirx.Not(grouped(N, K, experts)):  # few pairs: the routed pairs' two GEMVs on their experts
             H = T.alloc_buffer((N * K, 2 * inter), "float32")
             Po = T.alloc_buffer((N * K, width), "float32")  # each pair's weighted output
-            for r in T.parallel(N * K):  # pair f = n * K + j: one task (a parallel region costs more than a GEMV),
-                if r < cnt[experts]:  # in expert order (a thread's next pair of the same expert reads it from cache)
-                    f = T.Bind(order[r])
-                    for t in range(na):  # h = W13[e] · z, tile of ta columns
-                        acc = T.alloc_buffer((ta,), "float32", scope="local")
-                        blk_acc = T.alloc_buffer((ta,), "float32", scope="local")
-                        for v in T.vectorized(ta):
-                            acc[v] = T.float32(0)
-                        for b in range(dblk):
-                            for v in T.vectorized(ta):
-                                blk_acc[v] = T.float32(0)
-                            if table_a:  # twice the values from the table; the scale halved
-                                for p in range(16):
-                                    T.evaluate(ahead(W13, Idx[f // K, f % K] - offset, t, b * 16 + p))
-                                    blk_acc[T.Ramp(0, 1, la)] = looked_step(
-                                        blk_acc, W13, Tab, Idx[f // K, f % K] - offset, b, p, t * ta, la, Zs, f // K)
-                                for v in T.vectorized(ta):
-                                    acc[v] = acc[v] + blk_acc[v] * (scale(S13, Idx[f // K, f % K] - offset, b,
-                                                                          t * ta + v) * T.float32(0.5))
-                            else:
-                                for p in range(16):
-                                    if mx:
-                                        T.evaluate(ahead(W13, Idx[f // K, f % K] - offset, t, b * 16 + p))
-                                    for v in T.vectorized(ta):
-                                        blk_acc[v] = blk_acc[v] + elem(
-                                            W13, Idx[f // K, f % K] - offset, b, p, t * ta + v, 0) * Zs[
-                                            f // K, b * 32 + 2 * p] + elem(
-                                            W13, Idx[f // K, f % K] - offset, b, p, t * ta + v, 1) * Zs[
-                                            f // K, b * 32 + 2 * p + 1]
-                                for v in T.vectorized(ta):
-                                    acc[v] = acc[v] + blk_acc[v] * scale(S13, Idx[f // K, f % K] - offset, b,
-                                                                         t * ta + v)
-                        for v in T.vectorized(ta):
-                            H[f, t * ta + v] = acc[v]
-                    for t in range(nb):  # the activation, in place in the gate half
-                        for v in T.vectorized(tb):
-                            H[f, t * tb + v] = act(H[f, t * tb + v], H[f, inter + t * tb + v])
-                    if quantize:  # and of the activation, 32-wide blocks along I
-                        for hb in range(iblk):
-                            quant(H, H, f, hb * 32)
-                    for t in range(nd):  # o = w · W2[e] · act, tile of td columns
-                        acc = T.alloc_buffer((td,), "float32", scope="local")
-                        blk_acc = T.alloc_buffer((td,), "float32", scope="local")
-                        for v in T.vectorized(td):
-                            acc[v] = T.float32(0)
-                        for b in range(iblk):
-                            for v in T.vectorized(td):
-                                blk_acc[v] = T.float32(0)
-                            if table_d:  # as above
-                                for p in range(16):
-                                    T.evaluate(ahead(W2, Idx[f // K, f % K] - offset, t, b * 16 + p))
-                                    blk_acc[T.Ramp(0, 1, ld)] = looked_step(
-                                        blk_acc, W2, Tab, Idx[f // K, f % K] - offset, b, p, t * td, ld, H, f)
-                                for v in T.vectorized(td):
-                                    acc[v] = acc[v] + blk_acc[v] * (scale(S2, Idx[f // K, f % K] - offset, b,
-                                                                          t * td + v) * T.float32(0.5))
-                            else:
-                                for p in range(16):
-                                    if mx:
-                                        T.evaluate(ahead(W2, Idx[f // K, f % K] - offset, t, b * 16 + p))
-                                    for v in T.vectorized(td):
-                                        blk_acc[v] = blk_acc[v] + elem(
-                                            W2, Idx[f // K, f % K] - offset, b, p, t * td + v, 0) * H[
-                                            f, b * 32 + 2 * p] + elem(
-                                            W2, Idx[f // K, f % K] - offset, b, p, t * td + v, 1) * H[
-                                            f, b * 32 + 2 * p + 1]
-                                for v in T.vectorized(td):
-                                    acc[v] = acc[v] + blk_acc[v] * scale(S2, Idx[f // K, f % K] - offset, b,
-                                                                         t * td + v)
-                        for v in T.vectorized(td):
-                            Po[f, t * td + v] = Wt[f // K, f % K] * acc[v]
+            for r in T.parallel(N * K):  # the pairs in expert order; a task runs pair r and, when the next pair is of
+                if r < cnt[experts]:  # the same expert, that one too (each weight row decoded once for both); a
+                    f = T.Bind(order[r])  # task whose pair the task before ran does nothing
+                    e = T.Bind(Idx[f // K, f % K] - offset)
+                    if (r - cnt[e]) % 2 == 0:
+                        if r + 1 < cnt[e + 1]:  # h = W13[e] · z, h[:I] = act(h[:I], h[I:]), o = w · W2[e] · h[:I]
+                            g = T.Bind(order[r + 1])
+                            gemv(W13, S13, Zs, K, H, False, e, f, g, True, na, ta, dblk, la, table_a, Tab, Wt)
+                            activate(H, f)
+                            activate(H, g)
+                            gemv(W2, S2, H, 1, Po, True, e, f, g, True, nd, td, iblk, ld, table_d, Tab, Wt)
+                        else:
+                            gemv(W13, S13, Zs, K, H, False, e, f, f, False, na, ta, dblk, la, table_a, Tab, Wt)
+                            activate(H, f)
+                            gemv(W2, S2, H, 1, Po, True, e, f, f, False, nd, td, iblk, ld, table_d, Tab, Wt)
             for nt in T.parallel(N * nd):  # y = the pairs' outputs summed in slot order (outside the slice: none)
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)

@@ -279,9 +279,10 @@ def moe_pairs_lib():
 @given(routes=st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=2), min_size=1, max_size=9),
        seed=st.integers(0, 2**16))
 def test_pairs_in_expert_order_give_each_token_its_own_bits(moe_pairs_lib, routes, seed):
-    """Decode's per-pair path (below 10 tokens here) runs the pairs in expert order: tokens sharing experts, routed
-    outside the slice (0 and 9), or repeating one expert in both slots, each get the bits they get alone (the order
-    of the tasks never enters a token's sums), and the op's output within fp32 summation order."""
+    """Decode's per-pair path (below 10 tokens here) runs the pairs in expert order, two pairs of one expert in one
+    task (each row decoded once for both): tokens sharing experts, routed outside the slice (0 and 9), or repeating
+    one expert in both slots, each get the bits they get alone (neither the order of the tasks nor a second pair
+    beside its own enters a token's sums), and the op's output within fp32 summation order."""
     from k3compile.kernels.moe import expert_tiles, grouped
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
