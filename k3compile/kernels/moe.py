@@ -21,7 +21,7 @@ expert, that one too, decoding each packed row once for both (the decode costs m
 the task of a pair so taken does nothing. Each pair's sums are the same expressions in the same order either way,
 so a token's bits do not depend on what else is in the batch. Only the k selected experts' weights are read (the
 sparse path). The outputs are then summed per token in slot order. When
-there are at least 2.5 times as many pairs as experts in the slice (`grouped`: prefill, larger batches; pairs then
+there are at least 5 times as many pairs as experts in the slice (`grouped`: prefill, larger batches; pairs then
 share experts) it runs instead, in parallel over experts x column tiles, each 32-row weight block of an expert that
 has pairs decoded once into a local tile (from the table where there is one, as the GEMVs) and applied to every
 pair of the expert, each pair's block sum times the block's scale; the slot outputs are then summed per token in
@@ -52,13 +52,14 @@ PREFETCH_ROWS = 128
 
 def grouped(tokens, top_k, experts):
     """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
-    there are at least 2.5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
-    top-4, 512 x 512, weights out of cache, 2 threads, docs/toolchain.md "CPU schedules"): on the AMD EPYC with
-    vpermps, per-pair GEMVs were 2x faster at 1 token, 1.35x at 8 and 1.07x at 16, the two broke even at 20 (80
-    pairs). On the Intel Xeon, with both paths prefetching and the pairs in expert order, per-pair is 1.75x faster
-    at 1 token and 1.15x at 8, even at 16, and grouping 1.3x faster at 24. Also the kernel's own branch (the sizes
-    then TIR expressions)."""
-    return 2 * tokens * top_k >= 5 * experts
+    there are at least 5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
+    top-4, 512 x 512, weights out of cache, 2 threads, docs/toolchain.md "CPU schedules"), since the per-pair path
+    takes two pairs of an expert a task, on the AMD EPYC (interleaved medians of 9, ms, per pair / grouped): 8
+    tokens 0.52 / 0.75, 16 tokens 0.94 / 1.17, 24 tokens 1.35 / 1.60, 32 tokens 1.72 / 1.89, 40 tokens 2.10 /
+    2.20, 44 tokens 2.24 / 2.27, 48 tokens 2.76 / 2.69, 128 tokens 6.62 / 6.09: even at ~5.5 pairs an expert
+    (with one pair a task it was even at 2.5: 20 tokens). Also the kernel's own branch (the sizes then TIR
+    expressions)."""
+    return tokens * top_k >= 5 * experts
 
 
 def column_tile(n: int) -> int:

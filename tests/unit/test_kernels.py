@@ -182,7 +182,7 @@ def _run_moe(args, e, i, d, offset, activation, act_quant="none", target=None):
     (1, 32, 32, 8, 2, 0, "situ"),     # one decoded token
     (5, 32, 64, 16, 2, 0, "situ"),    # 10 pairs, 16 experts: per-pair GEMVs
     (3, 64, 32, 12, 3, 2, "silu"),    # a slice [2, 14): tokens routed to 0, 1, 14, 15 weigh zero
-    (17, 32, 32, 4, 2, 1, "situ"),    # as many pairs as experts or more: grouped by expert (prefill, batches)
+    (17, 32, 32, 4, 2, 1, "situ"),    # 5 pairs an expert or more: grouped by expert (prefill, larger batches)
     (40, 96, 64, 5, 3, 2, "silu"),    # grouped, a slice [2, 7) with tokens outside it; 96 = three 32-blocks
 ])
 def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
@@ -225,8 +225,8 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
 
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
     (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
-    (3, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
-    (5, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
+    (6, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
+    (9, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
 @pytest.mark.parametrize("lookup", ["vpermps", "pshufb"])
 def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant, lookup,
@@ -313,7 +313,7 @@ def test_the_cases_above_cover_both_kernel_paths():
         False, False, False, True, True]
     assert [grouped(n, 2, 4) for n in (1, 20)] == [False, True]
     assert [grouped(n, 2, 5) for n in (2, 20, 1, 18)] == [False, True, False, True]
-    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (3, 3, 3), (5, 3, 5)]] == [False, True, True]
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (6, 3, 3), (9, 3, 5)]] == [False, True, True]
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
