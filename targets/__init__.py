@@ -19,11 +19,18 @@ from typing import Callable
 
 from k3compile.interface import ExportError
 
+# The CPU features k3compile's kernels choose code by (targets/llvm.py: BF16_GEMM_FEATURE), as /proc/cpuinfo names
+# them (what CPUID says) -> LLVM's name, with the flags LLVM's feature implies (avx512bf16: avx512bw, avx512f).
+CPUINFO_FEATURES = {"avx512_bf16": ("avx512bf16", ("avx512f", "avx512bw"))}
+
 
 def host_cpu() -> tuple[tuple[str, object], ...]:
-    """The llvm target fields for this machine: LLVM's name for its CPU (e.g. znver4) and, where the CPU model
-    promises vector features the kernel does not offer (a virtual machine masking AVX-512), those features turned
-    off; an artifact built with them would stop with "illegal instruction" here."""
+    """The llvm target fields for this machine: LLVM's name for its CPU (e.g. znver4) and, where that name and the
+    CPU's own flags (/proc/cpuinfo) disagree, the difference: features the model promises and the CPU lacks (a
+    virtual machine masking AVX-512) turned off, since an artifact built with them would stop with "illegal
+    instruction" here; and the features of CPUINFO_FEATURES the CPU has and the model lacks (a virtual machine
+    reporting another model: an AVX512_BF16 Xeon seen as family 6 model 167, `rocketlake`) turned on, since without
+    them `--matmul-precision bf16` is refused on a CPU that has it (docs/toolchain.md, "Targets")."""
     import tvm
     from tvm.target import codegen
 
@@ -32,11 +39,14 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
     info = _cpuinfo()
     if info is None:
         return tuple(fields)  # no /proc/cpuinfo (not Linux): LLVM's CPU name is all there is
-    flags = info["flags"].split()
-    promised = [str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))]
-    off = sorted(f for f in promised if f.startswith("avx512") and "avx512f" not in flags)
-    if off:
-        fields.append(("mattr", tuple(f"-{f}" for f in off)))
+    flags = set(info["flags"].split())
+    promised = {str(f) for f in codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mcpu": cpu}))}
+    off = {f for f in promised if f.startswith("avx512") and "avx512f" not in flags}
+    off |= {llvm for flag, (llvm, _) in CPUINFO_FEATURES.items() if llvm in promised and flag not in flags}
+    on = sorted(llvm for flag, (llvm, needs) in CPUINFO_FEATURES.items()
+                if flag in flags and all(n in flags for n in needs) and llvm not in promised)
+    if off or on:
+        fields.append(("mattr", (*(f"-{f}" for f in sorted(off)), *(f"+{f}" for f in on))))
     return tuple(fields)
 
 
