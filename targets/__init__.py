@@ -30,7 +30,7 @@ def host_cpu() -> tuple[tuple[str, object], ...]:
     virtual machine masking AVX-512) turned off, since an artifact built with them would stop with "illegal
     instruction" here; and the features of CPUINFO_FEATURES the CPU has and the model lacks (a virtual machine
     reporting another model: an AVX512_BF16 Xeon seen as family 6 model 167, `rocketlake`) turned on, since without
-    them `--matmul-precision bf16` is refused on a CPU that has it (docs/toolchain.md, "Targets")."""
+    them `--matmul-precision bf16` is refused on a CPU that has it (docs/toolchain.md, "Apache TVM 0.27")."""
     import tvm
     from tvm.target import codegen
 

@@ -1,5 +1,5 @@
 """The llvm target's CPU fields (targets/__init__.py: host_cpu): LLVM's name for the CPU, corrected by the CPU's own
-flags where the two disagree (docs/toolchain.md, "Targets"). The machines are stand-ins: LLVM's CPU name and the
+flags where the two disagree (docs/toolchain.md, "Apache TVM 0.27"). The machines are stand-ins: LLVM's CPU name and the
 /proc/cpuinfo flags are replaced; what LLVM says each name promises is LLVM's own answer."""
 
 from __future__ import annotations
