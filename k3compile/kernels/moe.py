@@ -174,73 +174,55 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     quant = fake_quant_block(act_quant) if quantize else None
 
     @T.macro
-    def gemv(W, S, X, xdiv, Y, weighted, e, f0, f1, two, tiles, tw, blocks, lanes, table, Tab, Wt):
-        """Y[f] = W[e] · X[f // xdiv] (times the pair's weight Wt[f] when `weighted`) for pair f0, and for pair f1
-        when `two`: each packed row decoded once for both; tile of tw columns, each block's sum times its scale
-        (from the table when `table`: twice the values, the scale halved), a packed row added as (acc + lo · x0) +
-        hi · x1, the arithmetic decode's order. A pair's sums are the same expressions in the same order with or
-        without a second pair (tests/unit/test_kernels.py: a token's bits do not depend on the batch)."""
+    def gemv(W, S, X, xdiv, Y, weighted, e, order, r, rows, tiles, tw, blocks, lanes, table, Tab, Wt):
+        """Y[f] = W[e] · X[f // xdiv] (times the pair's weight Wt[f] when `weighted`) for the `rows` pairs f =
+        order[r], order[r + 1], ... (all of expert e): each packed row decoded once for all of them; tile of tw
+        columns, each block's sum times its scale (from the table when `table`: twice the values, the scale
+        halved), a packed row added as (acc + lo · x0) + hi · x1, the arithmetic decode's order. A pair's sums are
+        the same expressions in the same order whatever pair runs beside it (tests/unit/test_kernels.py: a token's
+        bits do not depend on the batch)."""
         for t in range(tiles):
-            acc = T.alloc_buffer((2, tw), "float32", scope="local")
-            blk = T.alloc_buffer((2, tw), "float32", scope="local")
-            for v in T.vectorized(tw):
-                acc[0, v] = T.float32(0)
-            if two:
+            acc = T.alloc_buffer((rows, tw), "float32", scope="local")
+            blk = T.alloc_buffer((rows, tw), "float32", scope="local")
+            for q in T.unroll(rows):
                 for v in T.vectorized(tw):
-                    acc[1, v] = T.float32(0)
+                    acc[q, v] = T.float32(0)
             for b in range(blocks):
-                for v in T.vectorized(tw):
-                    blk[0, v] = T.float32(0)
-                if two:
+                for q in T.unroll(rows):
                     for v in T.vectorized(tw):
-                        blk[1, v] = T.float32(0)
+                        blk[q, v] = T.float32(0)
                 if table:
                     for p in range(16):
                         T.evaluate(ahead(W, e, t, b * 16 + p))
                         lo = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 0))
                         hi = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 1))
-                        blk[0, T.Ramp(0, 1, lanes)] = blk[0, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
-                            X[f0 // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
-                            X[f0 // xdiv, b * 32 + 2 * p + 1], lanes)
-                        if two:
-                            blk[1, T.Ramp(0, 1, lanes)] = blk[1, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
-                                X[f1 // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
-                                X[f1 // xdiv, b * 32 + 2 * p + 1], lanes)
-                    for v in T.vectorized(tw):
-                        acc[0, v] = acc[0, v] + blk[0, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
-                    if two:
+                        for q in T.unroll(rows):
+                            blk[q, T.Ramp(0, 1, lanes)] = blk[q, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
+                                X[order[r + q] // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
+                                X[order[r + q] // xdiv, b * 32 + 2 * p + 1], lanes)
+                    for q in T.unroll(rows):
                         for v in T.vectorized(tw):
-                            acc[1, v] = acc[1, v] + blk[1, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
+                            acc[q, v] = acc[q, v] + blk[q, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
                 else:
                     for p in range(16):
                         if mx:
                             T.evaluate(ahead(W, e, t, b * 16 + p))
-                        for v in T.vectorized(tw):
-                            blk[0, v] = blk[0, v] + elem(W, e, b, p, t * tw + v, 0) * X[
-                                f0 // xdiv, b * 32 + 2 * p] + elem(W, e, b, p, t * tw + v, 1) * X[
-                                f0 // xdiv, b * 32 + 2 * p + 1]
-                        if two:
+                        for q in T.unroll(rows):
                             for v in T.vectorized(tw):
-                                blk[1, v] = blk[1, v] + elem(W, e, b, p, t * tw + v, 0) * X[
-                                    f1 // xdiv, b * 32 + 2 * p] + elem(W, e, b, p, t * tw + v, 1) * X[
-                                    f1 // xdiv, b * 32 + 2 * p + 1]
-                    for v in T.vectorized(tw):
-                        acc[0, v] = acc[0, v] + blk[0, v] * scale(S, e, b, t * tw + v)
-                    if two:
+                                blk[q, v] = blk[q, v] + elem(W, e, b, p, t * tw + v, 0) * X[
+                                    order[r + q] // xdiv, b * 32 + 2 * p] + elem(W, e, b, p, t * tw + v, 1) * X[
+                                    order[r + q] // xdiv, b * 32 + 2 * p + 1]
+                    for q in T.unroll(rows):
                         for v in T.vectorized(tw):
-                            acc[1, v] = acc[1, v] + blk[1, v] * scale(S, e, b, t * tw + v)
-            if weighted:
-                for v in T.vectorized(tw):
-                    Y[f0, t * tw + v] = Wt[f0 // Wt.shape[1], f0 % Wt.shape[1]] * acc[0, v]
-                if two:
+                            acc[q, v] = acc[q, v] + blk[q, v] * scale(S, e, b, t * tw + v)
+            for q in T.unroll(rows):
+                if weighted:
                     for v in T.vectorized(tw):
-                        Y[f1, t * tw + v] = Wt[f1 // Wt.shape[1], f1 % Wt.shape[1]] * acc[1, v]
-            else:
-                for v in T.vectorized(tw):
-                    Y[f0, t * tw + v] = acc[0, v]
-                if two:
+                        Y[order[r + q], t * tw + v] = Wt[order[r + q] // Wt.shape[1], order[r + q] % Wt.shape[
+                            1]] * acc[q, v]
+                else:
                     for v in T.vectorized(tw):
-                        Y[f1, t * tw + v] = acc[1, v]
+                        Y[order[r + q], t * tw + v] = acc[q, v]
 
     @T.macro
     def activate(H, f):
@@ -299,15 +281,14 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     e = T.Bind(Idx[f // K, f % K] - offset)
                     if (r - cnt[e]) % 2 == 0:
                         if r + 1 < cnt[e + 1]:  # h = W13[e] · z, h[:I] = act(h[:I], h[I:]), o = w · W2[e] · h[:I]
-                            g = T.Bind(order[r + 1])
-                            gemv(W13, S13, Zs, K, H, False, e, f, g, True, na, ta, dblk, la, table_a, Tab, Wt)
+                            gemv(W13, S13, Zs, K, H, False, e, order, r, 2, na, ta, dblk, la, table_a, Tab, Wt)
                             activate(H, f)
-                            activate(H, g)
-                            gemv(W2, S2, H, 1, Po, True, e, f, g, True, nd, td, iblk, ld, table_d, Tab, Wt)
+                            activate(H, order[r + 1])
+                            gemv(W2, S2, H, 1, Po, True, e, order, r, 2, nd, td, iblk, ld, table_d, Tab, Wt)
                         else:
-                            gemv(W13, S13, Zs, K, H, False, e, f, f, False, na, ta, dblk, la, table_a, Tab, Wt)
+                            gemv(W13, S13, Zs, K, H, False, e, order, r, 1, na, ta, dblk, la, table_a, Tab, Wt)
                             activate(H, f)
-                            gemv(W2, S2, H, 1, Po, True, e, f, f, False, nd, td, iblk, ld, table_d, Tab, Wt)
+                            gemv(W2, S2, H, 1, Po, True, e, order, r, 1, nd, td, iblk, ld, table_d, Tab, Wt)
             for nt in T.parallel(N * nd):  # y = the pairs' outputs summed in slot order (outside the slice: none)
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)
