@@ -27,6 +27,8 @@ panels, an in-process build) prefill rows from HOST_GEMM_ROWS on call the host G
 
 from __future__ import annotations
 
+import math
+
 VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
 PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
 MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a target imports no pass)
@@ -35,6 +37,7 @@ WIDEN_K = 4  # k per widened chunk: 4 x 64 fp32, 1 KiB, the most TVM places on t
 ROW_BLOCK = 4  # rows a widened chunk serves in turn (measured: docs/toolchain.md, "CPU schedules")
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
 TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each of 16 rows
+WINDOW_TILE = 4  # the tile side along a symbolic axis: KDA's conv window at decode (W - 1 + 1 = 4 columns)
 HOST_GEMM = "k3compile.host_gemm"  # k3compile/host_gemm.py registers it (a target imports no runtime module)
 HOST_GEMM_ATTR = "k3.host_gemm"  # marks a PrimFunc that calls it (compile.py counts them for the manifest)
 HOST_GEMM_ROWS = 512  # rows from which a packed dense matmul calls the host GEMM (measured: docs/toolchain.md)
@@ -230,7 +233,13 @@ def _schedule_loops(sch, block) -> None:
         spatial = [*spatial[:-1], outer]
     symbolic = any(e is None for e in extents)
     kept = 0
-    if inner is None and extents[-1] is None and any(e is not None for e in extents[:-1]):
+    if (inner is None and not reduction and len(spatial) > 1 and extents[-1] is not None and extents[-1] <= 8
+            and symbolic):
+        # a short static innermost loop that is not vectorized (KDA's conv state: its W - 1 = 3 columns) stays a
+        # serial loop of its own, unrolled: fused in, each element would pay two index divisions
+        sch.unroll(spatial[-1])
+        spatial, kept = spatial[:-1], 1
+    elif inner is None and extents[-1] is None and any(e is not None for e in extents[:-1]):
         # a symbolic innermost loop (a conv's time axis, a cache's length) stays a serial loop of its own when a
         # static outer one gives the parallel loop its work: fused in, every element would pay an index division
         # by a runtime extent (docs/toolchain.md, "CPU schedules")
@@ -246,6 +255,44 @@ def _schedule_loops(sch, block) -> None:
         sch.vectorize(inner)
     if reduction:
         sch.decompose_reduction(block, sch.get_loops(block)[(1 if spatial else 0) + kept])
+
+
+def _sum_over_last(sch, block) -> bool:
+    """Whether `block` reduces over one loop, its innermost, of a static extent of whole vectors (at least two): a
+    norm's sum of squares over a row, a mean."""
+    import tvm
+
+    kinds = _iter_kinds(sch, block)
+    loops = sch.get_loops(block)
+    if len(loops) != len(kinds) or len(loops) < 2 or kinds[-1] != tvm.tirx.IterVar.CommReduce:
+        return False
+    if any(k != tvm.tirx.IterVar.DataPar for k in kinds[:-1]):
+        return False
+    extent = _static(sch.get(loops[-1]).extent)
+    return extent is not None and extent % VECTOR == 0 and extent >= 2 * VECTOR
+
+
+def _schedule_vector_sum(sch, block) -> None:
+    """A row's reduction in VECTOR lanes: lane l sums elements l, l + VECTOR, l + 2 VECTOR, ... in order (one
+    vector add an element group, in registers), then the lanes are summed in order. The loops rule summed the row
+    one element after the other, each add waiting for the one before (docs/toolchain.md, "CPU schedules": the
+    norms of a k3-small batch-8 decode step). The order is fixed by the schedule alone, so a row's sum does not
+    depend on the batch it runs in."""
+    loops = sch.get_loops(block)
+    _, lanes = sch.split(loops[-1], [None, VECTOR])
+    partial = sch.rfactor(lanes, len(loops) - 1)  # [rows..., VECTOR] partial sums; `block` then sums the lanes
+    spatial = sch.get_loops(block)[:-1]
+    extents = [_static(sch.get(lp).extent) for lp in spatial]
+    sch.compute_at(partial, spatial[-1])
+    sch.set_scope(partial, 0, "local")
+    lane, group = sch.get_loops(partial)[-2:]
+    sch.reorder(group, lane)
+    sch.vectorize(lane)
+    outer = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+    if None in extents or math.prod(extents) * VECTOR >= PARALLEL_MIN:  # rows of runtime count, or enough work
+        sch.parallel(outer)
+    init = sch.decompose_reduction(partial, group)
+    sch.vectorize(sch.get_loops(init)[-1])
 
 
 def _transpose_axis(sch, block) -> int | None:
@@ -270,6 +317,10 @@ def _transpose_axis(sch, block) -> int | None:
     return None
 
 
+def _tile(sch, loop) -> int:
+    return TRANSPOSE_TILE if _static(sch.get(loop).extent) is not None else WINDOW_TILE
+
+
 def _schedule_transpose(sch, block, m: int) -> None:
     """Tiles of TRANSPOSE_TILE x TRANSPOSE_TILE over iterator m and the innermost one, so that the lines a tile reads
     and the lines it writes are all used while in L1 (loops: one element at a time along the write, the reads a
@@ -277,8 +328,8 @@ def _schedule_transpose(sch, block, m: int) -> None:
     loops = sch.get_loops(block)
     n = len(loops) - 1
     inner_static = _static(sch.get(loops[n]).extent)
-    mo, mi = sch.split(loops[m], [None, TRANSPOSE_TILE])
-    no, ni = sch.split(loops[n], [None, TRANSPOSE_TILE])
+    mo, mi = sch.split(loops[m], [None, _tile(sch, loops[m])])
+    no, ni = sch.split(loops[n], [None, _tile(sch, loops[n])])
     between = list(loops[m + 1:n])
     sch.reorder(mo, *between, no, mi, ni)
     outer = [*loops[:m], mo, *between]
@@ -448,6 +499,12 @@ def schedule_func(func, host_gemm: bool = True, bf16_gemm: bool = False, f32_gem
                 _schedule_matmul(sch, block, layout)
                 if MX_PARTIAL in names and name == "k3_packed_matmul":
                     _schedule_mx_partial(sch, sch.get_sblock(f"{name}_update"), sch.get_sblock(MX_PARTIAL))
+            elif _sum_over_last(sch, block):
+                try:
+                    _schedule_vector_sum(sch, block)
+                except Exception:  # noqa: BLE001 - not a reducer rfactor takes: the loops rule
+                    sch = tvm.s_tir.Schedule(state)
+                    _schedule_loops(sch, sch.get_sblock(name))
             elif (m := _transpose_axis(sch, block)) is not None:
                 try:
                     _schedule_transpose(sch, block, m)

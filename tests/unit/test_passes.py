@@ -170,7 +170,7 @@ def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
     """The loop rule keeps a symbolic innermost loop out of the fused parallel one (no index division by a runtime
     extent per element), and the transpose rule tiles the join (it reads x along c, writes along t): the loop nests
     say so, and the numbers are numpy's."""
-    from k3compile.targets.llvm import TRANSPOSE_TILE, schedule_func
+    from k3compile.targets.llvm import TRANSPOSE_TILE, WINDOW_TILE, schedule_func
 
     f_cat, f_conv = (schedule_func(f) for f in _conv_funcs())
     for f, name, outer_extent in ((f_cat, "cat", 256 // TRANSPOSE_TILE), (f_conv, "conv_update", 256)):
@@ -180,8 +180,8 @@ def test_loops_over_a_symbolic_time_axis_keep_the_numbers(b, t):
         assert outer.kind == tvm.tirx.ForKind.PARALLEL and isinstance(outer.extent, tvm.tirx.Mul)  # b * ...
         assert int(outer.extent.b) == outer_extent
         assert inner.kind == tvm.tirx.ForKind.SERIAL and not isinstance(inner.extent, tvm.tirx.IntImm)  # t (+ 3)
-        if name == "cat":  # a tile of 16 channels x 16 steps inside
-            assert [int(lp.extent) for lp in loops[2:]] == [TRANSPOSE_TILE, TRANSPOSE_TILE]
+        if name == "cat":  # a tile of 16 channels x 4 steps inside (the time axis is symbolic: a decode's window)
+            assert [int(lp.extent) for lp in loops[2:]] == [TRANSPOSE_TILE, WINDOW_TILE]
     rng = np.random.default_rng(b * 100 + t)
     x = rng.standard_normal((b, t, 256), dtype=np.float32)
     state = rng.standard_normal((b, 256, 3), dtype=np.float32)
@@ -231,9 +231,10 @@ def test_a_runtime_count_of_rows_over_a_runtime_length_runs_in_parallel():
 
 @pytest.mark.parametrize("b,t", [(1, 1), (2, 37), (1, 64)])
 def test_the_transpose_rule_tiles_and_keeps_the_numbers(b, t):
-    """y[b, t, c] = x[b, c, t] (KDA's convolution output back to channels-last): tiles of 16 x 16, the parallel loop
-    over batch x time tiles, the channels (static) vectorized; a copy, so exact."""
-    from k3compile.targets.llvm import TRANSPOSE_TILE, schedule_func
+    """y[b, t, c] = x[b, c, t] (KDA's convolution output back to channels-last): tiles of 4 steps (the symbolic
+    axis: a decode step's one token wastes 3 of 4, not 15 of 16) x 16 channels, the parallel loop over batch x time
+    tiles, the channels (static) vectorized; a copy, so exact."""
+    from k3compile.targets.llvm import TRANSPOSE_TILE, WINDOW_TILE, schedule_func
     from tvm import te
 
     bv, tv = (tvm.tirx.Var(n, "int64") for n in ("b", "t"))
@@ -243,11 +244,73 @@ def test_the_transpose_rule_tiles_and_keeps_the_numbers(b, t):
     sch = tvm.s_tir.Schedule(f)
     loops = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("y"))]
     assert loops[0].kind == tvm.tirx.ForKind.PARALLEL and loops[-1].kind == tvm.tirx.ForKind.VECTORIZED
-    assert [int(lp.extent) for lp in loops[2:]] == [TRANSPOSE_TILE, TRANSPOSE_TILE]
+    assert [int(lp.extent) for lp in loops[2:]] == [WINDOW_TILE, TRANSPOSE_TILE]
     xs = np.random.default_rng(t).standard_normal((b, 96, t), dtype=np.float32)
     out = tvm.runtime.empty((b, t, 96), "float32")
     tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())["main"](tvm.runtime.tensor(xs), out)
     np.testing.assert_array_equal(out.numpy(), xs.transpose(0, 2, 1))
+
+
+def _norm_func(b, t, width=1024):
+    """A norm over rows as the model's RMSNorm legalizes: the sum of each row's squares (a reduction over the
+    row's static width, innermost), then every element divided by the root of its mean."""
+    from tvm import te
+
+    x = te.placeholder((b, t, 4, width), name="x")
+    r = te.reduce_axis((0, width), "r")
+    red = te.compute((b, t, 4, 1), lambda i, j, h, o: te.sum(x[i, j, h, r] * x[i, j, h, r], axis=r), name="red")
+    y = te.compute((b, t, 4, width), lambda i, j, h, c: x[i, j, h, c] / tvm.tirx.sqrt(
+        red[i, j, h, 0] / float(width) + 1e-5), name="y")
+    return te.create_prim_func([x, y])
+
+
+def test_a_sum_over_a_row_runs_in_vector_lanes():
+    """The vector-sum rule (targets/llvm.py, `_schedule_vector_sum`): each row's reduction over its static width in
+    16 lanes, the lanes in registers (a local buffer), the rows in parallel; a row's result does not depend on the
+    rows beside it (the same bits alone and in a batch) and matches float64 numpy."""
+    from k3compile.targets.llvm import VECTOR, schedule_func
+
+    b, t = (tvm.tirx.Var(n, "int64") for n in ("b", "t"))
+    f = schedule_func(_norm_func(b, t))
+    sch = tvm.s_tir.Schedule(f)
+    lanes = [sch.get(lp) for lp in sch.get_loops(sch.get_sblock("red_rf_update"))]
+    assert lanes[0].kind == tvm.tirx.ForKind.PARALLEL
+    assert lanes[-1].kind == tvm.tirx.ForKind.VECTORIZED and int(lanes[-1].extent) == VECTOR
+    assert int(lanes[-2].extent) == 1024 // VECTOR  # the element groups, in order
+    assert "local" in f.script()  # the partial sums never leave registers
+    lib = tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    xs = np.random.default_rng(3).standard_normal((3, 5, 4, 1024), dtype=np.float32)
+    out = tvm.runtime.empty(xs.shape, "float32")
+    lib["main"](tvm.runtime.tensor(xs), out)
+    x64 = xs.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) / 1024 + 1e-5)
+    # fp32 sums of 1024 squares in 16 lanes of 64 terms: ~1e-6 relative at most; one rounding of the quotient
+    np.testing.assert_allclose(out.numpy(), want, rtol=2e-6, atol=1e-7)
+    one = tvm.runtime.empty((1, 1, 4, 1024), "float32")
+    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(xs[2:3, 4:5])), one)
+    np.testing.assert_array_equal(one.numpy()[0, 0], out.numpy()[2, 4])
+
+
+def test_a_short_static_innermost_loop_stays_out_of_the_parallel_loop():
+    """KDA's new conv state, window[:, :, w - 3 :] over [B, C, w]: the 3 columns (static, too few to
+    vectorize) stay an unrolled loop of their own under the parallel loop over rows x channels, so an element pays
+    no index division by 3; a copy, so exact."""
+    from k3compile.targets.llvm import schedule_func
+    from tvm import te
+
+    b, w = (tvm.tirx.Var(n, "int64") for n in ("b", "w"))  # w: the window's t + 3 columns
+    window = te.placeholder((b, 64, w), name="window")
+    state = te.compute((b, 64, 3), lambda i, c, k: window[i, c, k + w - 3], name="state")
+    f = schedule_func(te.create_prim_func([window, state]))
+    sch = tvm.s_tir.Schedule(f)
+    outer, inner = (sch.get(lp) for lp in sch.get_loops(sch.get_sblock("state")))
+    assert outer.kind == tvm.tirx.ForKind.PARALLEL and inner.kind == tvm.tirx.ForKind.UNROLLED
+    assert int(inner.extent) == 3
+    lib = tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    xs = np.random.default_rng(4).standard_normal((2, 64, 9), dtype=np.float32)
+    got = tvm.runtime.empty((2, 64, 3), "float32")
+    lib["main"](tvm.runtime.tensor(xs), got)
+    np.testing.assert_array_equal(got.numpy(), xs[:, :, 6:])
 
 
 def _einsum_module(subscripts: str, x_shape, w_shape):
