@@ -318,13 +318,16 @@ def _transpose_axis(sch, block) -> int | None:
 
 
 def _tile(sch, loop) -> int:
+    """A transpose tile's side along `loop`: TRANSPOSE_TILE when its extent is static, else WINDOW_TILE (a symbolic
+    axis is the time axis of KDA's conv window: 4 columns at decode, where a side of 16 ran 3 in 4 (the window) or
+    15 in 16 (the products) of its iterations masked; docs/toolchain.md, "CPU schedules")."""
     return TRANSPOSE_TILE if _static(sch.get(loop).extent) is not None else WINDOW_TILE
 
 
 def _schedule_transpose(sch, block, m: int) -> None:
-    """Tiles of TRANSPOSE_TILE x TRANSPOSE_TILE over iterator m and the innermost one, so that the lines a tile reads
-    and the lines it writes are all used while in L1 (loops: one element at a time along the write, the reads a
-    page apart: 1-2 GB/s); the tiles' outer loops fused and run in parallel, the innermost vectorized when static."""
+    """Tiles over iterator m and the innermost one (sides: `_tile`), so that the lines a tile reads and the lines it
+    writes are all used while in L1 (loops: one element at a time along the write, the reads a page apart: 1-2
+    GB/s); the tiles' outer loops fused and run in parallel, the innermost vectorized when static."""
     loops = sch.get_loops(block)
     n = len(loops) - 1
     inner_static = _static(sch.get(loops[n]).extent)
