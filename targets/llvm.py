@@ -33,8 +33,10 @@ VECTOR = 16  # fp32 lanes: a 64-byte strip, two AVX2 / one AVX-512 register
 PANEL = 64  # columns per dense-weight panel (passes/pack_dense_weights.py): four vectors, one strip
 MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a target imports no pass)
 WIDENED = "k3_widened"  # passes/pack_dense_weights.py: WIDENED, the bf16 panels widened to fp32
-WIDEN_K = 4  # k per widened chunk: 4 x 64 fp32, 1 KiB, the most TVM places on the stack (more: an allocation per chunk)
+WIDEN_K = 4  # k per widened chunk: 4 x 64 fp32, 1 KiB (from the workspace pool; 2, on the stack, measured slower)
 ROW_BLOCK = 4  # rows a widened chunk serves in turn (measured: docs/toolchain.md, "CPU schedules")
+SCRATCH = "global"  # a schedule's scratch buffers: under 1 KiB a stack slot, kept in registers (docs/toolchain.md,
+# "Scratch buffers"; "local" on a CPU is a workspace-pool allocation each time, behind a pointer that may alias)
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
 TRANSPOSE_TILE = 16  # a transpose's tile side: 16 fp32 = one cache line of each of 16 rows
 WINDOW_TILE = 4  # the tile side along a symbolic axis: KDA's conv window at decode (W - 1 + 1 = 4 columns)
@@ -145,7 +147,7 @@ def _schedule_matmul(sch, block, layout) -> None:
     else:
         sch.reorder(jo, ko, *([ki] if ki is not None else []), ji, jv)
         par = at = jo
-    cw = sch.cache_write(block, 0, "local")
+    cw = sch.cache_write(block, 0, SCRATCH)
     sch.reverse_compute_at(cw, at)
     if ki is not None:
         sch.unroll(ki)
@@ -197,7 +199,7 @@ def _schedule_mx_partial(sch, block, partial) -> None:
     block accumulated into a 64-float local buffer (4 vector registers), which the matmul then scales once."""
     blocks = [lp for lp in sch.get_loops(block) if sch.get(lp).loop_var.name.startswith("kb")]
     sch.compute_at(partial, blocks[-1])  # the innermost loop over the scale blocks
-    sch.set_scope(partial, 0, "local")
+    sch.set_scope(partial, 0, SCRATCH)
     j, kr = sch.get_loops(partial)[-2:]
     jo, jv = sch.split(j, [None, VECTOR])
     ko, ki = sch.split(kr, [None, 4])
@@ -284,7 +286,7 @@ def _schedule_vector_sum(sch, block) -> None:
     spatial = sch.get_loops(block)[:-1]
     extents = [_static(sch.get(lp).extent) for lp in spatial]
     sch.compute_at(partial, spatial[-1])
-    sch.set_scope(partial, 0, "local")
+    sch.set_scope(partial, 0, SCRATCH)
     lane, group = sch.get_loops(partial)[-2:]
     sch.reorder(group, lane)
     sch.vectorize(lane)

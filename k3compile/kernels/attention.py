@@ -125,8 +125,8 @@ def scores_kernel(heads: int, width: int):
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
         assert S <= C, "attention scores: the cache holds fewer rows than its length"
         for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
-            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
-            sums = T.alloc_buffer((max(lanes, r_tile * j_tile),), "float32", scope="local")
+            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
+            sums = T.alloc_buffer((max(lanes, r_tile * j_tile),), "float32")
             chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
             b = T.meta_var(task // (Tn * chunks))
             t = T.meta_var(task // chunks % Tn)
@@ -180,10 +180,10 @@ def masked_scores_kernel(heads: int, width: int, rope_width: int):
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
         assert S <= C and S <= CR, "attention scores: a cache holds fewer rows than its length"
         for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
-            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32", scope="local")
-            acc_r = T.alloc_buffer((r_tile, j_tile, lanes_r), "float32", scope="local")
-            sums = T.alloc_buffer((tile,), "float32", scope="local")
-            sums_r = T.alloc_buffer((tile,), "float32", scope="local")
+            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
+            acc_r = T.alloc_buffer((r_tile, j_tile, lanes_r), "float32")
+            sums = T.alloc_buffer((tile,), "float32")
+            sums_r = T.alloc_buffer((tile,), "float32")
             chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
             b = T.meta_var(task // (Tn * chunks))
             t = T.meta_var(balanced(task // chunks % Tn, Tn))
@@ -265,12 +265,12 @@ def pv_kernel(heads: int, width: int):
         Out = T.match_buffer(o, (B, Tn, heads, width), "float32")
         assert S <= C, "attention output: the cache holds fewer rows than its length"
         for task in T.parallel(B * Tn * groups * chunks):
-            acc = T.alloc_buffer((r_tile, v_tile, lanes), "float32", scope="local")
+            acc = T.alloc_buffer((r_tile, v_tile, lanes), "float32")
             b = T.meta_var(task // (Tn * groups * chunks))
             t = T.meta_var(balanced(task // (groups * chunks) % Tn, Tn))
             h0 = T.meta_var(task // chunks % groups * r_tile)
             c0 = T.meta_var(task % chunks * v_tile * lanes)
-            end = T.alloc_buffer((1,), "int64", scope="local")
+            end = T.alloc_buffer((1,), "int64")
             for r in T.unroll(r_tile):
                 for j in T.unroll(v_tile):
                     for v in T.vectorized(lanes):
@@ -335,8 +335,8 @@ def softmax_kernel():
         Y = T.match_buffer(o, (B, H, Tn, S), "float32")
         with T.sblock("root"):
             for row in T.parallel(B * H * Tn):
-                part = T.alloc_buffer((lanes,), "float32", scope="local")
-                total = T.alloc_buffer((1,), "float32", scope="local")
+                part = T.alloc_buffer((lanes,), "float32")
+                total = T.alloc_buffer((1,), "float32")
                 b = T.meta_var(row // (H * Tn))
                 h = T.meta_var(row // Tn % H)
                 t = T.meta_var(row % Tn)

@@ -103,19 +103,19 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
         Out = T.match_buffer(o, (B, L, heads, dv), "float32")
         S = T.match_buffer(present, (B, heads, dk, dv), "float32")
         for bh in T.parallel(B * heads):
-            kc = T.alloc_buffer((C, dk), "float32", scope="local")  # k, q and γ of the chunk's tokens
-            qc = T.alloc_buffer((C, dk), "float32", scope="local")
-            gc = T.alloc_buffer((C, dk), "float32", scope="local")
-            kd = T.alloc_buffer((C, dk), "float32", scope="local")  # k ⊙ e^γ, q ⊙ e^γ, k ⊙ e^(γ_C − γ)
-            qd = T.alloc_buffer((C, dk), "float32", scope="local")
-            kr = T.alloc_buffer((C, dk), "float32", scope="local")
-            u = T.alloc_buffer((C, dv), "float32", scope="local")
-            ob = T.alloc_buffer((C, dv), "float32", scope="local")
-            bc = T.alloc_buffer((C,), "float32", scope="local")
-            akk = T.alloc_buffer((C, C), "float32", scope="local")
-            bqk = T.alloc_buffer((C, C), "float32", scope="local")
-            e = T.alloc_buffer((dv,), "float32", scope="local")
-            ov = T.alloc_buffer((dv,), "float32", scope="local")
+            kc = T.alloc_buffer((C, dk), "float32")  # k, q and γ of the chunk's tokens
+            qc = T.alloc_buffer((C, dk), "float32")
+            gc = T.alloc_buffer((C, dk), "float32")
+            kd = T.alloc_buffer((C, dk), "float32")  # k ⊙ e^γ, q ⊙ e^γ, k ⊙ e^(γ_C − γ)
+            qd = T.alloc_buffer((C, dk), "float32")
+            kr = T.alloc_buffer((C, dk), "float32")
+            u = T.alloc_buffer((C, dv), "float32")
+            ob = T.alloc_buffer((C, dv), "float32")
+            bc = T.alloc_buffer((C,), "float32")
+            akk = T.alloc_buffer((C, C), "float32")
+            bqk = T.alloc_buffer((C, C), "float32")
+            e = T.alloc_buffer((dv,), "float32")
+            ov = T.alloc_buffer((dv,), "float32")
             if (L // C * C if chunked else 0) == 0:  # no whole chunk (decode): the first token reads the input state
                 if L > 0:
                     step(0, bh, Q, K, V, G, Beta, S0, S, Out, e, ov)
@@ -146,8 +146,8 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
                         kr[t, d] = kc[t, d] * exp_f32(gc[C - 1, d] - gc[t, d])
                 for t in range(C):  # the pair terms, decayed from s to t
                     for s in range(t + 1):
-                        pa = T.alloc_buffer((vk,), "float32", scope="local")
-                        pb = T.alloc_buffer((vk,), "float32", scope="local")
+                        pa = T.alloc_buffer((vk,), "float32")
+                        pb = T.alloc_buffer((vk,), "float32")
                         for lane in T.vectorized(vk):
                             pa[lane] = T.float32(0)
                             pb[lane] = T.float32(0)
@@ -164,8 +164,8 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
                             bqk[t, s] = bqk[t, s] + pb[lane]
                         akk[t, s] = akk[t, s] * bc[t]
                 for jb, t0 in T.grid(dv // jv, C // tb):  # u = β (v − kd·S₀), ob = qd·S₀
-                    au = T.alloc_buffer((tb, jv), "float32", scope="local")
-                    ao = T.alloc_buffer((tb, jv), "float32", scope="local")
+                    au = T.alloc_buffer((tb, jv), "float32")
+                    ao = T.alloc_buffer((tb, jv), "float32")
                     for ti in T.unroll(tb):
                         for j in T.vectorized(jv):
                             au[ti, j] = T.float32(0)
@@ -193,7 +193,7 @@ def kda_chunked_kernel(heads: int, dk: int, dv: int, chunk: int = DEFAULT_CHUNK)
                     for j in T.vectorized(dv):
                         Out[bh // heads, c * C + t, bh % heads, j] = ob[t, j]
                 for d0, jb in T.grid(dk // db, dv // jv):  # S ← diag(e^γ_C) S₀ + krᵀ u
-                    acc = T.alloc_buffer((db, jv), "float32", scope="local")
+                    acc = T.alloc_buffer((db, jv), "float32")
                     for di in T.unroll(db):
                         for j in T.vectorized(jv):
                             acc[di, j] = S[bh // heads, bh % heads, d0 * db + di, jb * jv + j] * exp_f32(

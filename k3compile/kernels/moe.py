@@ -88,14 +88,18 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     from tvm.script import tirx as T
 
     from k3compile.kernels.mx import (
+        WORD_UNORDER,
         e8m0,
+        e8m0_words,
         fake_quant_block,
         fp4,
         fp4_permps,
         fp4_table,
         fp4_table_lanes,
         fp4_twice,
+        fp4_twice_words,
         fp4_twice_x,
+        in_order,
     )
     from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
@@ -106,16 +110,19 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     table_a, table_d = la > 0, ld > 0  # (the script's static conditions must be Python booleans)
     half_a, half_d = (0.5 if table else 1.0 for table in (table_a, table_d))  # a table holds twice the E2M1 values
     permps = fp4_permps(target)  # the table: 16 fp32 (vpermps) or 64 int8 (pshufb)
+    words_a, words_d = (permps and lanes == 64 for lanes in (la, ld))  # GEMVs over 64-column tiles: word order
     entries, table_dtype = fp4_table(permps)
 
     wtype = "uint8" if mx else "float32"
 
-    def looked(W, Tab, e, row, col0, lanes: int, high: int):
+    def looked(W, Tab, e, row, col0, lanes: int, high: int, words: bool = False):
         """Twice the E2M1 values of row `row` of expert e, columns [col0, col0 + lanes) (within one tile), from the
-        table."""
+        table; `words`: the 64 columns of a tile in kernels/mx.py's WORD_ORDER (fp4_twice_words)."""
         tw = W.shape[3]
-        return fp4_twice_x(W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)],
-                           Tab[tirx.Ramp(0, 1, 16 if permps else lanes)], lanes, high, permps)
+        codes = W[e, col0 // tw, row, tirx.Ramp(col0 % tw, 1, lanes)]
+        if words:
+            return fp4_twice_words(codes, Tab[tirx.Ramp(0, 1, 16)], high)
+        return fp4_twice_x(codes, Tab[tirx.Ramp(0, 1, 16 if permps else lanes)], lanes, high, permps)
 
     def ahead(W, e, tile, row):
         """Asks the memory for the cache line PREFETCH_ROWS packed rows past row `row` of tile `tile` of expert e (a
@@ -144,8 +151,8 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         """Y[f, col0 : col0 + tw] = W[e] · X[f // xdiv] for every pair f routed to expert e (the grouped path): each
         32-row block of the tile decoded once (from the table when `table`: twice the values, `half` the scale's
         factor), each pair's block sum times the block's scale."""
-        tile = T.alloc_buffer((32, tw), "float32", scope="local")
-        acc = T.alloc_buffer((tw,), "float32", scope="local")
+        tile = T.alloc_buffer((32, tw), "float32")
+        acc = T.alloc_buffer((tw,), "float32")
         for r in range(cnt[e], cnt[e + 1]):
             for v in T.vectorized(tw):
                 Y[order[r], col0 + v] = T.float32(0)
@@ -174,16 +181,18 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     quant = fake_quant_block(act_quant) if quantize else None
 
     @T.macro
-    def gemv(W, S, X, xdiv, Y, weighted, e, order, r, rows, tiles, tw, blocks, lanes, table, Tab, Wt):
+    def gemv(W, S, X, xdiv, Y, weighted, e, order, r, rows, tiles, tw, blocks, lanes, table, Tab, Wt, words):
         """Y[f] = W[e] · X[f // xdiv] (times the pair's weight Wt[f] when `weighted`) for the `rows` pairs f =
         order[r], order[r + 1], ... (all of expert e): each packed row decoded once for all of them; tile of tw
         columns, each block's sum times its scale (from the table when `table`: twice the values, the scale
         halved), a packed row added as (acc + lo · x0) + hi · x1, the arithmetic decode's order. A pair's sums are
         the same expressions in the same order whatever pair runs beside it (tests/unit/test_kernels.py: a token's
-        bits do not depend on the batch)."""
+        bits do not depend on the batch). `words` (a 64-column tile looked up with vpermps): the sums run in
+        kernels/mx.py's WORD_ORDER, the block's scales put in that order and the tile's result put back in column
+        order when it is written: each column's arithmetic is the same, only its lane moves."""
         for t in range(tiles):
-            acc = T.alloc_buffer((rows, tw), "float32", scope="local")
-            blk = T.alloc_buffer((rows, tw), "float32", scope="local")
+            acc = T.alloc_buffer((rows, tw), "float32")
+            blk = T.alloc_buffer((rows, tw), "float32")
             for q in T.unroll(rows):
                 for v in T.vectorized(tw):
                     acc[q, v] = T.float32(0)
@@ -194,15 +203,20 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                 if table:
                     for p in range(16):
                         T.evaluate(ahead(W, e, t, b * 16 + p))
-                        lo = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 0))
-                        hi = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 1))
+                        lo = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 0, words))
+                        hi = T.Bind(looked(W, Tab, e, b * 16 + p, t * tw, lanes, 1, words))
                         for q in T.unroll(rows):
                             blk[q, T.Ramp(0, 1, lanes)] = blk[q, T.Ramp(0, 1, lanes)] + lo * T.Broadcast(
                                 X[order[r + q] // xdiv, b * 32 + 2 * p], lanes) + hi * T.Broadcast(
                                 X[order[r + q] // xdiv, b * 32 + 2 * p + 1], lanes)
-                    for q in T.unroll(rows):
-                        for v in T.vectorized(tw):
-                            acc[q, v] = acc[q, v] + blk[q, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
+                    if words:  # the block's scales read in word order as the codes were
+                        sc = T.Bind(e8m0_words(S[e, t, b, T.Ramp(0, 1, tw)]) * T.Broadcast(T.float32(0.5), tw))
+                        for q in T.unroll(rows):
+                            acc[q, T.Ramp(0, 1, tw)] = acc[q, T.Ramp(0, 1, tw)] + blk[q, T.Ramp(0, 1, tw)] * sc
+                    else:
+                        for q in T.unroll(rows):
+                            for v in T.vectorized(tw):
+                                acc[q, v] = acc[q, v] + blk[q, v] * (scale(S, e, b, t * tw + v) * T.float32(0.5))
                 else:
                     for p in range(16):
                         if mx:
@@ -215,14 +229,21 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     for q in T.unroll(rows):
                         for v in T.vectorized(tw):
                             acc[q, v] = acc[q, v] + blk[q, v] * scale(S, e, b, t * tw + v)
-            for q in T.unroll(rows):
-                if weighted:
-                    for v in T.vectorized(tw):
-                        Y[order[r + q], t * tw + v] = Wt[order[r + q] // Wt.shape[1], order[r + q] % Wt.shape[
-                            1]] * acc[q, v]
-                else:
-                    for v in T.vectorized(tw):
-                        Y[order[r + q], t * tw + v] = acc[q, v]
+            if words:  # the tile's result back in column order
+                for q in T.unroll(rows):
+                    if weighted:
+                        for v in T.vectorized(tw):
+                            acc[q, v] = Wt[order[r + q] // Wt.shape[1], order[r + q] % Wt.shape[1]] * acc[q, v]
+                    Y[order[r + q], T.Ramp(t * tw, 1, tw)] = in_order(acc[q, T.Ramp(0, 1, tw)], WORD_UNORDER)
+            else:
+                for q in T.unroll(rows):
+                    if weighted:
+                        for v in T.vectorized(tw):
+                            Y[order[r + q], t * tw + v] = Wt[order[r + q] // Wt.shape[1], order[r + q] % Wt.shape[
+                                1]] * acc[q, v]
+                    else:
+                        for v in T.vectorized(tw):
+                            Y[order[r + q], t * tw + v] = acc[q, v]
 
     @T.macro
     def activate(H, f):
@@ -281,14 +302,14 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     e = T.Bind(Idx[f // K, f % K] - offset)
                     if (r - cnt[e]) % 2 == 0:
                         if r + 1 < cnt[e + 1]:  # h = W13[e] · z, h[:I] = act(h[:I], h[I:]), o = w · W2[e] · h[:I]
-                            gemv(W13, S13, Zs, K, H, False, e, order, r, 2, na, ta, dblk, la, table_a, Tab, Wt)
+                            gemv(W13, S13, Zs, K, H, False, e, order, r, 2, na, ta, dblk, la, table_a, Tab, Wt, words_a)
                             activate(H, f)
                             activate(H, order[r + 1])
-                            gemv(W2, S2, H, 1, Po, True, e, order, r, 2, nd, td, iblk, ld, table_d, Tab, Wt)
+                            gemv(W2, S2, H, 1, Po, True, e, order, r, 2, nd, td, iblk, ld, table_d, Tab, Wt, words_d)
                         else:
-                            gemv(W13, S13, Zs, K, H, False, e, order, r, 1, na, ta, dblk, la, table_a, Tab, Wt)
+                            gemv(W13, S13, Zs, K, H, False, e, order, r, 1, na, ta, dblk, la, table_a, Tab, Wt, words_a)
                             activate(H, f)
-                            gemv(W2, S2, H, 1, Po, True, e, order, r, 1, nd, td, iblk, ld, table_d, Tab, Wt)
+                            gemv(W2, S2, H, 1, Po, True, e, order, r, 1, nd, td, iblk, ld, table_d, Tab, Wt, words_d)
             for nt in T.parallel(N * nd):  # y = the pairs' outputs summed in slot order (outside the slice: none)
                 for v in T.vectorized(td):
                     Y[nt // nd, nt % nd * td + v] = T.float32(0)

@@ -100,6 +100,46 @@ def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int, permps: bool = False
     return tirx.Cast(f"float32x{lanes}", looked)
 
 
+# Where the tile is 64 columns, the GEMVs skip even that widening: the row's 64 bytes read as 16 32-bit words, word i
+# holding columns 4i .. 4i + 3 (one byte each, low nibble first); shifted right by 8g (+ 4 for the high nibbles) its
+# low 4 bits are column 4i + g's code, which vpermps reads. Eight lookups and seven shifts a row where the widening
+# took four extracts, four widenings, four shifts and eight lookups; the values come out in WORD_ORDER (position
+# 16g + i holds column 4i + g), which the GEMV keeps through its sums and undoes once per tile (kernels/moe.py).
+WORD_ORDER = [4 * (j % 16) + j // 16 for j in range(64)]  # position -> the column it holds
+WORD_UNORDER = [16 * (c % 4) + c // 4 for c in range(64)]  # column -> its position
+
+
+def fp4_twice_words(byte_vec, table_vec, high: int):
+    """Twice the E2M1 values of the low (high=0) or high (high=1) nibbles of a 64-column packed row (`byte_vec`:
+    uint8 x 64) looked up in `table_vec` (fp32 x 16, vpermps), as float32 x 64 in WORD_ORDER."""
+    from tvm import tirx
+
+    word = tirx.reinterpret("int32x16", byte_vec)
+    parts = []
+    for g in range(4):
+        shift = 8 * g + 4 * high
+        index = word if shift == 0 else tirx.shift_right(word, tirx.Broadcast(tirx.const(shift, "int32"), 16))
+        parts.append(tirx.call_llvm_pure_intrin("float32x16", PERMPS[1], table_vec, index))
+    return tirx.Shuffle(parts, [tirx.const(j, "int32") for j in range(64)])
+
+
+def e8m0_words(byte_vec):
+    """The scales of a 64-column tile's block (`byte_vec`: its 64 E8M0 bytes, uint8 x 64) as float32 x 64 in
+    WORD_ORDER, read as fp4_twice_words reads the codes: byte g of word i is column 4i + g's."""
+    from tvm import tirx
+
+    word = tirx.reinterpret("uint32x16", byte_vec)
+    return tirx.Shuffle([e8m0_word(word, g) for g in range(4)], [tirx.const(j, "int32") for j in range(64)])
+
+
+def in_order(vec, order):
+    """The 64-lane vector expression `vec` rearranged: position j of the result is `vec`'s lane order[j]
+    (WORD_ORDER: natural column order -> a word-order GEMV's; WORD_UNORDER: back)."""
+    from tvm import tirx
+
+    return tirx.Shuffle([vec], [tirx.const(j, "int32") for j in order])
+
+
 def _u32(value):
     """A uint32 shift amount from a Python int or an integer expression."""
     from tvm import tirx
@@ -116,16 +156,24 @@ def fp4_word(word, i):
 
 
 def e8m0(s):
-    """2^(s-127) of an E8M0 code (a uint8 expression, or a uint32 one in 0..255): s in a float's exponent bits;
-    0 -> 2^-127, 255 -> NaN."""
+    """2^(s-127) of an E8M0 code (a uint8 expression, or a uint32 one in 0..255; scalar or vector): s in a float's
+    exponent bits; 0 -> 2^-127, 255 -> NaN."""
     from tvm import tirx
 
     it = str(s.ty)
+    lanes = it[it.index("x"):] if "x" in it else ""  # a vector's "x16"
+
+    def const(value, dtype):
+        c = tirx.const(value, dtype)
+        return tirx.Broadcast(c, int(lanes[1:])) if lanes else c
+
+    u32 = tirx.Cast("uint32" + lanes, s)
+    f32 = "float32" + lanes
     # 255: the quiet NaN made from s at run time (a non-finite constant is not portable: kernels/vector_math.py)
-    return tirx.Select(s == tirx.const(255, it), tirx.reinterpret("float32", tirx.bitwise_or(tirx.shift_left(
-        tirx.Cast("uint32", s), tirx.const(23, "uint32")), tirx.const(0x400000, "uint32"))), tirx.Select(
-        s == tirx.const(0, it), tirx.reinterpret("float32", tirx.const(0x00400000, "uint32")),
-        tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", s), tirx.const(23, "uint32")))))
+    return tirx.Select(s == const(255, it.split("x")[0]), tirx.reinterpret(f32, tirx.bitwise_or(tirx.shift_left(
+        u32, const(23, "uint32")), const(0x400000, "uint32"))), tirx.Select(
+        s == const(0, it.split("x")[0]), tirx.reinterpret(f32, const(0x00400000, "uint32")),
+        tirx.reinterpret(f32, tirx.shift_left(u32, const(23, "uint32")))))
 
 
 def e8m0_word(word, i):
@@ -167,11 +215,12 @@ def fake_quant_block(fmt_name: str, vector: bool = True):
 
     fmt = element_format(fmt_name)
     lanes = T.vectorized if vector else T.serial
+    scope = "global" if vector else "local"  # CPU: a stack slot (docs/toolchain.md, "Scratch buffers"); GPU: local
 
     @T.macro
     def quant(src, dst, row, col):
-        amax = T.alloc_buffer((1,), "float32", scope="local")
-        bad = T.alloc_buffer((1,), "int32", scope="local")
+        amax = T.alloc_buffer((1,), "float32", scope=scope)
+        bad = T.alloc_buffer((1,), "int32", scope=scope)
         amax[0] = T.float32(0)
         bad[0] = 0
         for i in range(BLOCK):

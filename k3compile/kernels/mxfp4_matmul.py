@@ -37,8 +37,8 @@ def mxfp4_matmul_kernel(k: int, n: int, act_quant: str = "none"):
                 quant(X, Xq, mb // kblk, mb % kblk * 32)
         Xs = T.meta_var(Xq if quantize else X)
         for nt in T.parallel(ntiles):
-            tile = T.alloc_buffer((32, tn), "float32", scope="local")
-            acc = T.alloc_buffer((tn,), "float32", scope="local")
+            tile = T.alloc_buffer((32, tn), "float32")
+            acc = T.alloc_buffer((tn,), "float32")
             for m in range(M):
                 for v in T.vectorized(tn):
                     Y[m, nt * tn + v] = T.float32(0)

@@ -133,6 +133,15 @@ def _module(heads):
     return bb.get()
 
 
+def test_kda_kernel_keeps_its_scratch_buffers_on_the_stack(kda_lib):
+    """At 16 x 16 heads every scratch buffer of the chunked kernel (the chunk's rows, the register blocks, the pair
+    sums, e and o of a token's step) is under 1 KiB: a stack slot, never an allocation from TVM's workspace pool per
+    (batch, head) task, as each was in TVM's "local" scope (docs/toolchain.md, "Scratch buffers")."""
+    from cpu_code import workspace_allocations
+
+    assert workspace_allocations(kda_lib(2, 16, 16)) == 0
+
+
 def test_pass_lowers_static_kda_calls_and_leaves_the_rest():
     from k3compile.passes import run_phases
     from k3compile.passes.lower_k3_calls import declined
@@ -225,6 +234,8 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
 
 @pytest.mark.parametrize("n,d,i,e,k,offset,activation,act_quant", [
     (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
+    (4, 64, 64, 2, 2, 0, "situ", "none"),    # 64 and 64, per-pair GEMVs, two pairs of an expert a task: with
+    # vpermps both GEMVs run in word order (kernels/mx.py: fp4_twice_words)
     (6, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
     (9, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
