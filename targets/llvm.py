@@ -35,6 +35,8 @@ MX_PARTIAL = "k3_mx_partial"  # passes/pack_dense_weights.py: MX_PARTIAL (a targ
 WIDENED = "k3_widened"  # passes/pack_dense_weights.py: WIDENED, the bf16 panels widened to fp32
 WIDEN_K = 4  # k per widened chunk: 4 x 64 fp32, 1 KiB (from the workspace pool; 2, on the stack, measured slower)
 ROW_BLOCK = 4  # rows a widened chunk serves in turn (measured: docs/toolchain.md, "CPU schedules")
+TASK_ROWS = 4  # rows of one parallel task of the matmul rule: at 8 a batch-8 step's small matmuls (the router,
+# [8, 1024] x [1024, 32]) were one task, on one core (docs/toolchain.md, "CPU schedules")
 SCRATCH = "global"  # a schedule's scratch buffers: under 1 KiB a stack slot, kept in registers (docs/toolchain.md,
 # "Scratch buffers"; "local" on a CPU is a workspace-pool allocation each time, behind a pointer that may alias)
 PARALLEL_MIN = 4096  # static elements below which a loop nest stays serial (the thread pool's wake-up costs more)
@@ -141,7 +143,7 @@ def _schedule_matmul(sch, block, layout) -> None:
     rows = spatial[:-1]
     if rows:
         m = sch.fuse(*rows) if len(rows) > 1 else rows[0]
-        mo, mi = sch.split(m, [None, 8])
+        mo, mi = sch.split(m, [None, TASK_ROWS])
         sch.reorder(mo, jo, mi, ko, *([ki] if ki is not None else []), ji, jv)
         par, at = sch.fuse(mo, jo), mi
     else:
