@@ -198,7 +198,8 @@ def _schedule_widened(sch, block, layout, widened) -> None:
 def _schedule_mx_partial(sch, block, partial) -> None:
     """The packed MXFP8 matmul's first stage (passes/pack_dense_weights.py: packed_mx_matmul_te) computed inside
     the matmul's loop over the scale blocks: for the row and the 64-column strip at hand, the 32 values of the
-    block accumulated into a 64-float local buffer (4 vector registers), which the matmul then scales once."""
+    block accumulated into a 64-float scratch buffer (SCRATCH: 4 vector registers), which the matmul then
+    scales once."""
     blocks = [lp for lp in sch.get_loops(block) if sch.get(lp).loop_var.name.startswith("kb")]
     sch.compute_at(partial, blocks[-1])  # the innermost loop over the scale blocks
     sch.set_scope(partial, 0, SCRATCH)

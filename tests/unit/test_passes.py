@@ -264,6 +264,36 @@ def _norm_func(b, t, width=1024):
     return te.create_prim_func([x, y])
 
 
+def test_a_narrow_matmul_over_8_rows_takes_both_cores():
+    """The matmul rule's tasks take TASK_ROWS rows (targets/llvm.py): the router of a batch-8 decode step, [8, 1024]
+    x [1024, 32], one 32-column strip, is 2 tasks (one task, on one core, at 8 rows a task); a row's numbers are
+    the bits it gets alone, within fp32's bound of float64 numpy."""
+    from k3compile.targets.llvm import schedule_func
+    from tvm import te
+
+    m = tvm.tirx.Var("m", "int64")
+    x, w = te.placeholder((m, 1024), name="x"), te.placeholder((1024, 32), name="w")
+    r = te.reduce_axis((0, 1024), "r")
+    y = te.compute((m, 32), lambda i, j: te.sum(x[i, r] * w[r, j], axis=r), name="matmul")
+    f = schedule_func(te.create_prim_func([x, w, y]))
+    sch = tvm.s_tir.Schedule(f)
+    outer = sch.get(sch.get_loops(sch.get_sblock("matmul_update"))[0])
+    assert outer.kind == tvm.tirx.ForKind.PARALLEL
+    at_8 = tvm.sym.Analyzer()
+    at_8.bind(m, tvm.tirx.const(8, "int64"))
+    assert int(at_8.simplify(outer.extent)) >= 2
+    lib = tvm.compile(f.with_attr("global_symbol", "main"), target=TARGET.tvm())
+    rng = np.random.default_rng(9)
+    xs, ws = rng.standard_normal((8, 1024), dtype=np.float32), rng.standard_normal((1024, 32), dtype=np.float32)
+    got = tvm.runtime.empty((8, 32), "float32")
+    lib["main"](tvm.runtime.tensor(xs), tvm.runtime.tensor(ws), got)
+    # fp32 sums of 1024 products of unit normals (results of size ~30): rounding errors ~1e-5, far below 2e-3
+    np.testing.assert_allclose(got.numpy(), xs.astype(np.float64) @ ws.astype(np.float64), rtol=1e-4, atol=2e-3)
+    one = tvm.runtime.empty((1, 32), "float32")
+    lib["main"](tvm.runtime.tensor(np.ascontiguousarray(xs[5:6])), tvm.runtime.tensor(ws), one)
+    np.testing.assert_array_equal(one.numpy()[0], got.numpy()[5])
+
+
 def test_a_sum_over_a_row_runs_in_vector_lanes():
     """The vector-sum rule (targets/llvm.py, `_schedule_vector_sum`): each row's reduction over its static width in
     16 lanes, the lanes in registers (a stack buffer: docs/toolchain.md, "Scratch buffers"), the rows in parallel; a
