@@ -88,7 +88,6 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
     from tvm.script import tirx as T
 
     from k3compile.kernels.mx import (
-        WORD_UNORDER,
         e8m0,
         e8m0_words,
         fake_quant_block,
@@ -99,7 +98,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         fp4_twice,
         fp4_twice_words,
         fp4_twice_x,
-        in_order,
+        from_words,
     )
     from k3compile.kernels.vector_math import sigmoid_f32, tanh_f32
 
@@ -234,7 +233,7 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     if weighted:
                         for v in T.vectorized(tw):
                             acc[q, v] = Wt[order[r + q] // Wt.shape[1], order[r + q] % Wt.shape[1]] * acc[q, v]
-                    Y[order[r + q], T.Ramp(t * tw, 1, tw)] = in_order(acc[q, T.Ramp(0, 1, tw)], WORD_UNORDER)
+                    Y[order[r + q], T.Ramp(t * tw, 1, tw)] = from_words(acc[q, T.Ramp(0, 1, tw)])
             else:
                 for q in T.unroll(rows):
                     if weighted:

@@ -90,7 +90,7 @@ def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int, permps: bool = False
             if high:
                 index = tirx.shift_right(index, tirx.Broadcast(tirx.const(4, "int32"), 16))
             parts.append(tirx.call_llvm_pure_intrin("float32x16", PERMPS[1], table_vec, index))
-        return parts[0] if lanes == 16 else tirx.Shuffle(parts, [tirx.const(i, "int32") for i in range(lanes)])
+        return parts[0] if lanes == 16 else _lanes(parts, range(lanes))
     if high:
         nib = tirx.shift_right(byte_vec, tirx.Broadcast(tirx.const(4, "uint8"), lanes))
     else:
@@ -106,7 +106,13 @@ def fp4_twice_x(byte_vec, table_vec, lanes: int, high: int, permps: bool = False
 # took four extracts, four widenings, four shifts and eight lookups; the values come out in WORD_ORDER (position
 # 16g + i holds column 4i + g), which the GEMV keeps through its sums and undoes once per tile (kernels/moe.py).
 WORD_ORDER = [4 * (j % 16) + j // 16 for j in range(64)]  # position -> the column it holds
-WORD_UNORDER = [16 * (c % 4) + c // 4 for c in range(64)]  # column -> its position
+
+
+def _lanes(vectors, picks):
+    """The vector whose lane j is lane picks[j] of `vectors` laid end to end (a TIR Shuffle)."""
+    from tvm import tirx
+
+    return tirx.Shuffle(list(vectors), [tirx.const(j, "int32") for j in picks])
 
 
 def fp4_twice_words(byte_vec, table_vec, high: int):
@@ -120,7 +126,7 @@ def fp4_twice_words(byte_vec, table_vec, high: int):
         shift = 8 * g + 4 * high
         index = word if shift == 0 else tirx.shift_right(word, tirx.Broadcast(tirx.const(shift, "int32"), 16))
         parts.append(tirx.call_llvm_pure_intrin("float32x16", PERMPS[1], table_vec, index))
-    return tirx.Shuffle(parts, [tirx.const(j, "int32") for j in range(64)])
+    return _lanes(parts, range(64))
 
 
 def e8m0_words(byte_vec):
@@ -129,15 +135,12 @@ def e8m0_words(byte_vec):
     from tvm import tirx
 
     word = tirx.reinterpret("uint32x16", byte_vec)
-    return tirx.Shuffle([e8m0_word(word, g) for g in range(4)], [tirx.const(j, "int32") for j in range(64)])
+    return _lanes([e8m0_word(word, g) for g in range(4)], range(64))
 
 
-def in_order(vec, order):
-    """The 64-lane vector expression `vec` rearranged: position j of the result is `vec`'s lane order[j]
-    (WORD_ORDER: natural column order -> a word-order GEMV's; WORD_UNORDER: back)."""
-    from tvm import tirx
-
-    return tirx.Shuffle([vec], [tirx.const(j, "int32") for j in order])
+def from_words(vec):
+    """A 64-lane vector in WORD_ORDER put back in column order (lane c of the result: column c)."""
+    return _lanes([vec], sorted(range(64), key=WORD_ORDER.__getitem__))
 
 
 def _u32(value):
@@ -161,18 +164,19 @@ def e8m0(s):
     from tvm import tirx
 
     it = str(s.ty)
-    lanes = it[it.index("x"):] if "x" in it else ""  # a vector's "x16"
+    scalar, _, n = it.partition("x")  # a vector's "uint8x16": "uint8", "16"
+    lanes = "x" + n if n else ""
 
     def const(value, dtype):
         c = tirx.const(value, dtype)
-        return tirx.Broadcast(c, int(lanes[1:])) if lanes else c
+        return tirx.Broadcast(c, int(n)) if n else c
 
     u32 = tirx.Cast("uint32" + lanes, s)
     f32 = "float32" + lanes
     # 255: the quiet NaN made from s at run time (a non-finite constant is not portable: kernels/vector_math.py)
-    return tirx.Select(s == const(255, it.split("x")[0]), tirx.reinterpret(f32, tirx.bitwise_or(tirx.shift_left(
+    return tirx.Select(s == const(255, scalar), tirx.reinterpret(f32, tirx.bitwise_or(tirx.shift_left(
         u32, const(23, "uint32")), const(0x400000, "uint32"))), tirx.Select(
-        s == const(0, it.split("x")[0]), tirx.reinterpret(f32, const(0x00400000, "uint32")),
+        s == const(0, scalar), tirx.reinterpret(f32, const(0x00400000, "uint32")),
         tirx.reinterpret(f32, tirx.shift_left(u32, const(23, "uint32")))))
 
 
