@@ -21,12 +21,13 @@ expert, that one too, decoding each packed row once for both (the decode costs m
 the task of a pair so taken does nothing. Each pair's sums are the same expressions in the same order either way,
 so a token's bits do not depend on what else is in the batch. Only the k selected experts' weights are read (the
 sparse path). The outputs are then summed per token in slot order. When
-there are at least 5 times as many pairs as experts in the slice (`grouped`: prefill, larger batches; pairs then
-share experts) it runs instead, in parallel over experts x column tiles, each 32-row weight block of an expert that
-has pairs decoded once into a local tile (from the table where there is one, as the GEMVs) and applied to every
-pair of the expert, each pair's block sum times the block's scale; the slot outputs are then summed per token in
-slot order. An expert without pairs is not decoded. Every GEMV over MXFP4 codes asks the memory for the packed
-rows PREFETCH_ROWS ahead as it decodes (the experts are cold at decode: each layer's are read once a step).
+there are at least GROUPED_AT times as many pairs as experts in the slice (`grouped`: prefill, larger batches;
+pairs then share experts) it runs instead, in parallel over experts x column tiles, each 32-row weight block of an
+expert that has pairs decoded once into a local tile (from the table where there is one, as the GEMVs) and applied
+to every pair of the expert, GROUP_PAIRS pairs at a time (each tile row read once for them; the rest one by one),
+each pair's block sum times the block's scale; the slot outputs are then summed per token in slot order. An
+expert without pairs is not decoded. Every GEMV over MXFP4 codes asks the memory for the packed rows PREFETCH_ROWS
+ahead as it decodes (the experts are cold at decode: each layer's are read once a step).
 
 MXFP4 is decoded in the kernel from the integer codes, never with TVM's fp4/fp8 casts (wrong on llvm): of a nibble
 (element 2p low, 2p+1 high), the magnitude code m = nib & 7 is m/2 for m < 2 and otherwise the float whose bits are
@@ -48,18 +49,23 @@ from __future__ import annotations
 # distance: targets/bf16_gemm.c). Without it the cold experts of a decode step streamed at ~8 GB/s on k3-small's
 # shapes (docs/toolchain.md, "CPU schedules"); 64 and 256 rows measured as 128 did.
 PREFETCH_ROWS = 128
+# Pairs of one expert the grouped path multiplies by a decoded tile at once: their 3 x 4 accumulators in registers,
+# each row of the tile read once for the three (k3-small's shapes, docs/toolchain.md "CPU schedules": 128 tokens
+# 1.17x, 512 and 2048 tokens 1.26x against one pair at a time; 2 and 4 pairs slower than 3 at 512 tokens).
+GROUP_PAIRS = 3
+GROUPED_AT = 12  # pairs an expert (on average) from which the kernel groups them (`grouped`)
 
 
 def grouped(tokens, top_k, experts):
     """Whether the kernel groups the routed pairs by expert (each weight block decoded once for all its pairs): when
-    there are at least 5 times as many pairs as experts in the slice. Measured on k3-small's shapes (32 experts,
-    top-4, 512 x 512, weights out of cache, 2 threads, docs/toolchain.md "CPU schedules"), since the per-pair path
-    takes two pairs of an expert a task, on the AMD EPYC (interleaved medians of 9, ms, per pair / grouped): 8
-    tokens 0.52 / 0.75, 16 tokens 0.94 / 1.17, 24 tokens 1.35 / 1.60, 32 tokens 1.72 / 1.89, 40 tokens 2.10 /
-    2.20, 44 tokens 2.24 / 2.27, 48 tokens 2.76 / 2.69, 128 tokens 6.62 / 6.09: even at ~5.5 pairs an expert
-    (with one pair a task it was even at 2.5: 20 tokens). Also the kernel's own branch (the sizes then TIR
-    expressions)."""
-    return tokens * top_k >= 5 * experts
+    there are at least GROUPED_AT times as many pairs as experts in the slice. Measured on k3-small's shapes (32
+    experts, top-4, 512 x 512, weights out of cache, 2 threads, docs/toolchain.md "CPU schedules") with the
+    per-pair path's word-order decode and stack accumulators and the grouped path's GROUP_PAIRS, on the AMD EPYC
+    (each path forced at every size, interleaved medians of 9, ms, per pair / grouped): 8 tokens 0.52 / 0.98, 32
+    tokens 1.58 / 2.20, 48 tokens 2.28 / 2.77, 96 tokens 4.33 / 4.35, 128 tokens 5.77 / 5.19, 192 tokens 8.87 /
+    8.27, 512 tokens 22.9 / 20.7: even at ~12 pairs an expert (5 before those changes: 40 tokens). Also the
+    kernel's own branch (the sizes then TIR expressions)."""
+    return tokens * top_k >= GROUPED_AT * experts
 
 
 def column_tile(n: int) -> int:
@@ -146,12 +152,30 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
         return gate * sigmoid_f32(gate) * up
 
     @T.macro
+    def block_pairs(X, xdiv, Y, S, e, b, col0, tw, half, tile, acc, order, r, rows):
+        """Y[f, col0 : col0 + tw] += (sum over c of X[f // xdiv, 32 b + c] · tile[c]) · the block's scale for the
+        `rows` pairs f = order[r], order[r + 1], ...: each tile row read once for all of them, each pair's sum in c
+        order whatever pairs run beside it."""
+        for q in T.unroll(rows):
+            for v in T.vectorized(tw):
+                acc[q, v] = T.float32(0)
+        for c in range(32):
+            for q in T.unroll(rows):
+                for v in T.vectorized(tw):
+                    acc[q, v] = acc[q, v] + X[order[r + q] // xdiv, b * 32 + c] * tile[c, v]
+        for q in T.unroll(rows):
+            for v in T.vectorized(tw):
+                Y[order[r + q], col0 + v] = Y[order[r + q], col0 + v] + acc[q, v] * (
+                    scale(S, e, b, col0 + v) * T.float32(half))
+
+    @T.macro
     def grouped_gemv(W, S, X, xdiv, Y, e, col0, tw, lanes, table, half, blocks, cnt, order, Tab):
         """Y[f, col0 : col0 + tw] = W[e] · X[f // xdiv] for every pair f routed to expert e (the grouped path): each
         32-row block of the tile decoded once (from the table when `table`: twice the values, `half` the scale's
-        factor), each pair's block sum times the block's scale."""
+        factor) and applied to GROUP_PAIRS pairs at a time (the rest one by one), each pair's block sum times the
+        block's scale."""
         tile = T.alloc_buffer((32, tw), "float32")
-        acc = T.alloc_buffer((tw,), "float32")
+        acc = T.alloc_buffer((GROUP_PAIRS, tw), "float32")  # under 1 KiB: on the stack (docs/toolchain.md)
         for r in range(cnt[e], cnt[e + 1]):
             for v in T.vectorized(tw):
                 Y[order[r], col0 + v] = T.float32(0)
@@ -166,15 +190,12 @@ def moe_kernel(experts: int, inter: int, width: int, offset: int, situ: bool, be
                     for v in T.vectorized(tw):
                         tile[2 * p, v] = elem(W, e, b, p, col0 + v, 0)
                         tile[2 * p + 1, v] = elem(W, e, b, p, col0 + v, 1)
-            for r in range(cnt[e], cnt[e + 1]):
-                for v in T.vectorized(tw):
-                    acc[v] = T.float32(0)
-                for c in range(32):
-                    for v in T.vectorized(tw):
-                        acc[v] = acc[v] + X[order[r] // xdiv, b * 32 + c] * tile[c, v]
-                for v in T.vectorized(tw):
-                    Y[order[r], col0 + v] = Y[order[r], col0 + v] + acc[v] * (scale(S, e, b, col0 + v) * T.float32(
-                        half))
+            whole = T.Bind((cnt[e + 1] - cnt[e]) // GROUP_PAIRS)
+            for g in range(whole):
+                block_pairs(X, xdiv, Y, S, e, b, col0, tw, half, tile, acc, order, cnt[e] + g * GROUP_PAIRS,
+                            GROUP_PAIRS)
+            for r in range(cnt[e] + whole * GROUP_PAIRS, cnt[e + 1]):
+                block_pairs(X, xdiv, Y, S, e, b, col0, tw, half, tile, acc, order, r, 1)
 
     quantize = act_quant != "none"
     quant = fake_quant_block(act_quant) if quantize else None

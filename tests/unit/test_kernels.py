@@ -191,7 +191,7 @@ def _run_moe(args, e, i, d, offset, activation, act_quant="none", target=None):
     (1, 32, 32, 8, 2, 0, "situ"),     # one decoded token
     (5, 32, 64, 16, 2, 0, "situ"),    # 10 pairs, 16 experts: per-pair GEMVs
     (3, 64, 32, 12, 3, 2, "silu"),    # a slice [2, 14): tokens routed to 0, 1, 14, 15 weigh zero
-    (17, 32, 32, 4, 2, 1, "situ"),    # 5 pairs an expert or more: grouped by expert (prefill, larger batches)
+    (25, 32, 32, 4, 2, 1, "situ"),    # 12 pairs an expert or more: grouped by expert (prefill, larger batches)
     (40, 96, 64, 5, 3, 2, "silu"),    # grouped, a slice [2, 7) with tokens outside it; 96 = three 32-blocks
 ])
 def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
@@ -204,7 +204,7 @@ def test_moe_kernel_equals_the_op(n, d, i, e, k, offset, activation):
 
 
 @pytest.mark.parametrize("act_quant", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("n", [1, 20])  # per-pair GEMVs; grouped by expert
+@pytest.mark.parametrize("n", [1, 24])  # per-pair GEMVs; grouped by expert
 def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
@@ -218,7 +218,7 @@ def test_moe_kernel_with_mxfp8_activations_equals_the_op(n, act_quant):
     np.testing.assert_allclose(_run_moe(args, e, i, d, offset, "situ", act_quant), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,act_quant", [(2, "none"), (20, "none"), (1, "e4m3"), (18, "e5m2")])
+@pytest.mark.parametrize("n,act_quant", [(2, "none"), (30, "none"), (1, "e4m3"), (31, "e5m2")])
 def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
@@ -236,8 +236,8 @@ def test_moe_kernel_with_float_experts_equals_the_op(n, act_quant):
     (1, 32, 32, 8, 2, 0, "situ", "none"),    # gate-up tiles of 64 columns, down tiles of 32; per-pair GEMVs
     (4, 64, 64, 2, 2, 0, "situ", "none"),    # 64 and 64, per-pair GEMVs, two pairs of an expert a task: with
     # vpermps both GEMVs run in word order (kernels/mx.py: fp4_twice_words)
-    (6, 64, 32, 3, 3, 2, "silu", "none"),    # 64 and 64, a slice [2, 5); grouped by expert
-    (9, 96, 64, 5, 3, 2, "situ", "e4m3"),    # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
+    (12, 64, 32, 3, 3, 2, "silu", "none"),   # 64 and 64, a slice [2, 5); grouped by expert
+    (20, 96, 64, 5, 3, 2, "situ", "e4m3"),   # 64 and 32 (96 = three 32-blocks), MXFP8 activations; grouped
 ])
 @pytest.mark.parametrize("lookup", ["vpermps", "pshufb"])
 def test_moe_decode_looks_codes_up_in_a_register_bit_for_bit(n, d, i, e, k, offset, activation, act_quant, lookup,
@@ -316,15 +316,45 @@ def test_pairs_in_expert_order_give_each_token_its_own_bits(moe_pairs_lib, route
     np.testing.assert_allclose(together, want, rtol=0, atol=1e-5)
 
 
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), n=st.integers(48, 60), seed=st.integers(0, 2**16))
+def test_grouped_pairs_give_each_token_its_bits_in_any_batch_order(moe_pairs_lib, data, n, seed):
+    """The grouped path (48 tokens and more here) multiplies each decoded tile by GROUP_PAIRS pairs of an expert at
+    once and by the rest one at a time: which pairs share a group follows the batch's order, a token's bits do not
+    (each pair's sums are the same expressions in the same order), and the output is the op's within fp32
+    summation order."""
+    from k3compile.kernels.moe import GROUP_PAIRS, expert_tiles, grouped
+    from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
+
+    assert grouped(n, 2, 8) and GROUP_PAIRS > 1
+    routes = data.draw(st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=2), min_size=n, max_size=n))
+    order = data.draw(st.permutations(range(n)))
+    args = _moe_inputs(n, 64, 32, 8, 2, high=10, seed=seed)
+    args[1] = torch.tensor(routes)
+    tiles = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in args[3:]]
+
+    def run(rows):
+        y = tvm.runtime.empty((len(rows), 64), "float32")
+        moe_pairs_lib(*(tvm.runtime.tensor(x[rows].numpy()) for x in args[:3]), *tiles, y)
+        return y.numpy()
+
+    together, shuffled = run(list(range(n))), run(order)
+    for i, t in enumerate(order):
+        assert shuffled[i].tobytes() == together[t].tobytes()
+    want = latent_moe_dispatch(*args, 1, "situ", 4.0, 25.0, "none").numpy()
+    # fp32; the same decoded weights, products summed in another order (observed ~2e-7)
+    np.testing.assert_allclose(together, want, rtol=0, atol=1e-5)
+
+
 def test_the_cases_above_cover_both_kernel_paths():
     from k3compile.kernels.moe import grouped
 
     # (n, k, experts): test_moe_kernel_equals_the_op's, the MXFP8 and float-expert tests', the table test's
-    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (5, 2, 16), (3, 3, 12), (17, 2, 4), (40, 3, 5)]] == [
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (5, 2, 16), (3, 3, 12), (25, 2, 4), (40, 3, 5)]] == [
         False, False, False, True, True]
-    assert [grouped(n, 2, 4) for n in (1, 20)] == [False, True]
-    assert [grouped(n, 2, 5) for n in (2, 20, 1, 18)] == [False, True, False, True]
-    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (6, 3, 3), (9, 3, 5)]] == [False, True, True]
+    assert [grouped(n, 2, 4) for n in (1, 24)] == [False, True]
+    assert [grouped(n, 2, 5) for n in (2, 30, 1, 31)] == [False, True, False, True]
+    assert [grouped(n, k, e) for n, k, e in [(1, 2, 8), (12, 3, 3), (20, 3, 5)]] == [False, True, True]
 
 
 def test_moe_kernel_decodes_a_nan_scale_as_the_op_does():
