@@ -11,7 +11,12 @@ once at the end, all R · J vectors at once when they are 16 (`lane_sums`). Cach
 tile) read the last row and are not stored. Parallel over batch × tokens × runs of TILES position tiles (a task's
 indices divided out once, not per tile), every head group of a tile against the same J rows
 (docs/toolchain.md, "CPU schedules"). k3-small, one layer at T = S = 2048: 2.1 s with TVM's schedule,
-0.30 s with this one (the sum order along c differs: partial sums of 16 strided lanes, then the lanes).
+0.30 s with this one (the sum order along c differs: partial sums of 16 strided lanes, then the lanes). From
+TRANSPOSE_AT tokens (a prefill) the lane sums cost about half as much as the FMAs (8 steps of 16 FMAs, then 15
+shuffle pairs and adds for 16 outputs; at the RoPE width 2 steps), so such a call first copies the cache's rows
+transposed ([B, width, S]: `transpose_rows`) and scores SPAN positions of R heads a task (`span_sums`): each step
+along the width one broadcast of q per head times SPAN / 16 vectors of positions, R × SPAN / 16 accumulators and no
+lane sums, each score summed in c order (other bits than the tiles', the same in both score kernels).
 `masked_scores_kernel` is both score contractions, the scale and the mask in one pass (what MLA's softmax reads;
 passes/lower_attention.py: fuse_masked_scores), skipping tiles the mask covers. `pv_kernel` is the weighted sum
 that follows the softmax, `einsum("bhts,bsc->bthc", p, k)`: a register tile of R
@@ -29,6 +34,15 @@ LANES = 16  # fp32 lanes of one partial sum (one AVX-512 register, two AVX2 ones
 POSITIONS = 4  # cache positions per register tile (J)
 TILE_REGISTERS = 16  # accumulators a register tile may hold
 TILES = 16  # register tiles of positions a task of the scores kernel runs in turn
+# From this many tokens a call (prefill) scores against a transposed copy of the cache ([B, width, S]: a position's
+# values a column), SPAN positions of R heads at a time, each step a broadcast of q times vectors of positions (a
+# GEMM tile, no lane sums); fewer tokens (decode, short chunks) keep the tiles above, which read the cache as it is.
+# The copy is a strided scalar pass over the cache, so few tokens against a long cache lose by it: masked scores of
+# k3-small's 8 heads (128 + 32 wide), kernel alone, ms, tiles / transposed: T x S = 16 x 2048 0.92 / 1.33, 32 x 4096
+# 3.57 / 3.88, 64 x 64 0.06 / 0.07, 96 x 96 0.14 / 0.15, 64 x 2048 5.64 / 5.03, 128 x 2048 11.0 / 8.8, 256 x 256
+# 0.96 / 0.67, 1024 x 1024 15.9 / 10.8, 2048 x 2048 74.3 / 40.9.
+TRANSPOSE_AT = 64
+SPAN = 64  # positions of a transposed tile: two halves of 2 vectors (R x 2 accumulators each, under 1 KiB)
 
 
 def lanes_of(width: int) -> int:
@@ -106,6 +120,54 @@ def tile_sums_macro(r_tile: int, j_tile: int):
     return tile_sums
 
 
+def span_sums_macro(r_tile: int):
+    """A TVMScript macro, span_sums(acc_a, acc_b, sums_a, sums_b, Q, KT, b, t, g, s0, width): for the R heads of
+    group g and the SPAN positions from s0, sums_a[r, i] (first half) and sums_b[r, i] (second) = sum_c
+    q[b, t, g · R + r, c] · kt[b, c, s0 + i] (kt the transposed cache: transpose_rows), the sum in c order, one lane
+    per position: each step R broadcasts of q and SPAN / 16 vectors of kt for R · SPAN / 16 FMAs (acc_a, acc_b: R × 2
+    vectors each, under 1 KiB apiece so that they stay in registers). The score kernels' prefill dot product
+    (scores_kernel, masked_scores_kernel's two parts): the same bits in both."""
+    from tvm.script import tirx as T
+
+    vecs = SPAN // 2 // LANES
+
+    @T.macro
+    def span_sums(acc_a, acc_b, sums_a, sums_b, Q, KT, b, t, g, s0, width):
+        for r in T.unroll(r_tile):
+            for j in T.unroll(vecs):
+                for v in T.vectorized(LANES):
+                    acc_a[r, j, v] = T.float32(0)
+                    acc_b[r, j, v] = T.float32(0)
+        for c in range(width):
+            for r in T.unroll(r_tile):
+                for j in T.unroll(vecs):
+                    for v in T.vectorized(LANES):
+                        acc_a[r, j, v] = acc_a[r, j, v] + Q[b, t, g * r_tile + r, c] * KT[b, c, s0 + j * LANES + v]
+                        acc_b[r, j, v] = acc_b[r, j, v] + Q[b, t, g * r_tile + r, c] * KT[
+                            b, c, s0 + SPAN // 2 + j * LANES + v]
+        for r in T.unroll(r_tile):
+            for j in T.unroll(vecs):
+                for v in T.vectorized(LANES):
+                    sums_a[r, j * LANES + v] = acc_a[r, j, v]
+                    sums_b[r, j * LANES + v] = acc_b[r, j, v]
+
+    return span_sums
+
+
+def transpose_rows_macro(width: int):
+    """A TVMScript macro, transpose_rows(KT, K, b, s0, S): kt[b, c, s0 + i] = k[b, min(s0 + i, S − 1), c] for the SPAN
+    positions from s0 (past the length: the last row, never stored from)."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def transpose_rows(KT, K, b, s0, S):
+        for i in range(SPAN):
+            for c in range(width):
+                KT[b, c, s0 + i] = K[b, T.min(s0 + i, S - 1), c]
+
+    return transpose_rows
+
+
 def scores_kernel(heads: int, width: int):
     """out[b, h, t, s] = sum_c q[b, t, h, c] · k[b, s, c] for s < S (the scalar argument), `heads` heads of `width`,
     batch, tokens, S and k's capacity C >= S symbolic."""
@@ -115,6 +177,7 @@ def scores_kernel(heads: int, width: int):
     groups, steps = heads // r_tile, width // lanes
     transposed = r_tile * j_tile == lanes  # the tile's partial sums fill one vector of sums (lane_sums)
     tile_sums = tile_sums_macro(r_tile, j_tile)
+    span_sums, transpose_rows = span_sums_macro(r_tile), transpose_rows_macro(width)
 
     @T.prim_func(private=True)
     def scores(q: T.handle, k: T.handle, S: T.int64, o: T.handle):
@@ -124,26 +187,49 @@ def scores_kernel(heads: int, width: int):
         K = T.match_buffer(k, (B, C, width), "float32")
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
         assert S <= C, "attention scores: the cache holds fewer rows than its length"
-        for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
-            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
-            sums = T.alloc_buffer((max(lanes, r_tile * j_tile),), "float32")
-            chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
-            b = T.meta_var(task // (Tn * chunks))
-            t = T.meta_var(task // chunks % Tn)
-            for tile in range(TILES):  # TILES tiles of J positions a task: its indices divided out once
-                s0 = T.meta_var((task % chunks * TILES + tile) * j_tile)
-                if s0 < S:
-                    for g in range(groups):  # every head group against the same J rows of k (read once)
-                        tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
-                        if transposed and s0 + j_tile <= S:  # the R · J sums one vector: R stores of J lanes
-                            for r in T.unroll(r_tile):
-                                Out[b, g * r_tile + r, t, T.Ramp(s0, 1, j_tile)] = sums[
-                                    T.Ramp(r * j_tile, 1, j_tile)]
-                        else:
-                            for r in T.unroll(r_tile):
-                                for j in T.unroll(j_tile):
-                                    if s0 + j < S:
-                                        Out[b, g * r_tile + r, t, s0 + j] = sums[r * j_tile + j]
+        if Tn >= TRANSPOSE_AT:  # prefill: against the transposed cache, SPAN positions a task
+            spans = T.meta_var((S + SPAN - 1) // SPAN)
+            KT = T.alloc_buffer((B, width, spans * SPAN), "float32")
+            for bs in T.parallel(B * spans):
+                transpose_rows(KT, K, bs // spans, bs % spans * SPAN, S)
+            for task in T.parallel(B * Tn * spans):
+                acc_a = T.alloc_buffer((r_tile, SPAN // 2 // LANES, LANES), "float32")
+                acc_b = T.alloc_buffer((r_tile, SPAN // 2 // LANES, LANES), "float32")
+                sums_a = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                sums_b = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                b = T.meta_var(task // (Tn * spans))
+                t = T.meta_var(task // spans % Tn)
+                s0 = T.meta_var(task % spans * SPAN)
+                for g in range(groups):
+                    span_sums(acc_a, acc_b, sums_a, sums_b, Q, KT, b, t, g, s0, width)
+                    for r in T.unroll(r_tile):
+                        for i in range(SPAN // 2):
+                            if s0 + i < S:
+                                Out[b, g * r_tile + r, t, s0 + i] = sums_a[r, i]
+                        for i in range(SPAN // 2):
+                            if s0 + SPAN // 2 + i < S:
+                                Out[b, g * r_tile + r, t, s0 + SPAN // 2 + i] = sums_b[r, i]
+        else:
+            for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
+                acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
+                sums = T.alloc_buffer((max(lanes, r_tile * j_tile),), "float32")
+                chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
+                b = T.meta_var(task // (Tn * chunks))
+                t = T.meta_var(task // chunks % Tn)
+                for tile in range(TILES):  # TILES tiles of J positions a task: its indices divided out once
+                    s0 = T.meta_var((task % chunks * TILES + tile) * j_tile)
+                    if s0 < S:
+                        for g in range(groups):  # every head group against the same J rows of k (read once)
+                            tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
+                            if transposed and s0 + j_tile <= S:  # the R · J sums one vector: R stores of J lanes
+                                for r in T.unroll(r_tile):
+                                    Out[b, g * r_tile + r, t, T.Ramp(s0, 1, j_tile)] = sums[
+                                        T.Ramp(r * j_tile, 1, j_tile)]
+                            else:
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        if s0 + j < S:
+                                            Out[b, g * r_tile + r, t, s0 + j] = sums[r * j_tile + j]
 
     return scores
 
@@ -164,6 +250,8 @@ def masked_scores_kernel(heads: int, width: int, rope_width: int):
     transposed, transposed_r = tile == lanes, tile == lanes_r  # as scores_kernel decides, per part
 
     tile_sums = tile_sums_macro(r_tile, j_tile)
+    span_sums = span_sums_macro(r_tile)
+    transpose_rows, transpose_rope = transpose_rows_macro(width), transpose_rows_macro(rope_width)
 
     @T.prim_func(private=True)
     def masked_scores(q: T.handle, k: T.handle, qr: T.handle, kr: T.handle, m: T.handle, sc: T.handle,
@@ -179,32 +267,75 @@ def masked_scores_kernel(heads: int, width: int, rope_width: int):
         Fill = T.match_buffer(fl, (), "float32")
         Out = T.match_buffer(o, (B, heads, Tn, S), "float32")
         assert S <= C and S <= CR, "attention scores: a cache holds fewer rows than its length"
-        for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
-            acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
-            acc_r = T.alloc_buffer((r_tile, j_tile, lanes_r), "float32")
-            sums = T.alloc_buffer((tile,), "float32")
-            sums_r = T.alloc_buffer((tile,), "float32")
-            chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
-            b = T.meta_var(task // (Tn * chunks))
-            t = T.meta_var(balanced(task // chunks % Tn, Tn))
-            for tl in range(TILES):
-                s0 = T.meta_var((task % chunks * TILES + tl) * j_tile)
-                if s0 < S:
-                    if tile_masked(Masked, b, t, s0, S, j_tile):
-                        for h in range(heads):
-                            for j in T.unroll(j_tile):
-                                if s0 + j < S:
-                                    Out[b, h, t, s0 + j] = Fill[()]
-                    else:
-                        for g in range(groups):
-                            tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
-                            tile_sums(acc_r, sums_r, QR, KR, b, t, g, s0, S, lanes_r, steps_r, transposed_r)
-                            for r in T.unroll(r_tile):
+        if Tn >= TRANSPOSE_AT:  # prefill: against the transposed caches, SPAN positions a task
+            spans = T.meta_var((S + SPAN - 1) // SPAN)
+            KT = T.alloc_buffer((B, width, spans * SPAN), "float32")
+            KRT = T.alloc_buffer((B, rope_width, spans * SPAN), "float32")
+            for bs in T.parallel(B * spans):
+                transpose_rows(KT, K, bs // spans, bs % spans * SPAN, S)
+                transpose_rope(KRT, KR, bs // spans, bs % spans * SPAN, S)
+            for task in T.parallel(B * Tn * spans):
+                acc_a = T.alloc_buffer((r_tile, SPAN // 2 // LANES, LANES), "float32")
+                acc_b = T.alloc_buffer((r_tile, SPAN // 2 // LANES, LANES), "float32")
+                sums_a = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                sums_b = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                rope_a = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                rope_b = T.alloc_buffer((r_tile, SPAN // 2), "float32")
+                seen = T.alloc_buffer((1,), "int32")
+                b = T.meta_var(task // (Tn * spans))
+                t = T.meta_var(balanced(task // spans % Tn, Tn))
+                s0 = T.meta_var(task % spans * SPAN)
+                seen[0] = 0  # a position of the span the mask leaves open
+                for i in range(SPAN):
+                    if s0 + i < S:
+                        if not Masked[b, 0, t, s0 + i]:
+                            seen[0] = 1
+                if seen[0] == 0:
+                    for h in range(heads):
+                        for i in range(SPAN):
+                            if s0 + i < S:
+                                Out[b, h, t, s0 + i] = Fill[()]
+                else:
+                    for g in range(groups):
+                        span_sums(acc_a, acc_b, sums_a, sums_b, Q, KT, b, t, g, s0, width)
+                        span_sums(acc_a, acc_b, rope_a, rope_b, QR, KRT, b, t, g, s0, rope_width)
+                        for r in T.unroll(r_tile):
+                            for i in range(SPAN // 2):
+                                if s0 + i < S:
+                                    Out[b, g * r_tile + r, t, s0 + i] = T.Select(
+                                        Masked[b, 0, t, s0 + i], Fill[()], (sums_a[r, i] + rope_a[r, i]) * Scale[()])
+                            for i in range(SPAN // 2):
+                                if s0 + SPAN // 2 + i < S:
+                                    Out[b, g * r_tile + r, t, s0 + SPAN // 2 + i] = T.Select(
+                                        Masked[b, 0, t, s0 + SPAN // 2 + i], Fill[()],
+                                        (sums_b[r, i] + rope_b[r, i]) * Scale[()])
+        else:
+            for task in T.parallel(B * Tn * ((S + j_tile * TILES - 1) // (j_tile * TILES))):
+                acc = T.alloc_buffer((r_tile, j_tile, lanes), "float32")
+                acc_r = T.alloc_buffer((r_tile, j_tile, lanes_r), "float32")
+                sums = T.alloc_buffer((tile,), "float32")
+                sums_r = T.alloc_buffer((tile,), "float32")
+                chunks = T.meta_var((S + j_tile * TILES - 1) // (j_tile * TILES))
+                b = T.meta_var(task // (Tn * chunks))
+                t = T.meta_var(balanced(task // chunks % Tn, Tn))
+                for tl in range(TILES):
+                    s0 = T.meta_var((task % chunks * TILES + tl) * j_tile)
+                    if s0 < S:
+                        if tile_masked(Masked, b, t, s0, S, j_tile):
+                            for h in range(heads):
                                 for j in T.unroll(j_tile):
                                     if s0 + j < S:
-                                        Out[b, g * r_tile + r, t, s0 + j] = T.Select(
-                                            Masked[b, 0, t, s0 + j], Fill[()],
-                                            (sums[r * j_tile + j] + sums_r[r * j_tile + j]) * Scale[()])
+                                        Out[b, h, t, s0 + j] = Fill[()]
+                        else:
+                            for g in range(groups):
+                                tile_sums(acc, sums, Q, K, b, t, g, s0, S, lanes, steps, transposed)
+                                tile_sums(acc_r, sums_r, QR, KR, b, t, g, s0, S, lanes_r, steps_r, transposed_r)
+                                for r in T.unroll(r_tile):
+                                    for j in T.unroll(j_tile):
+                                        if s0 + j < S:
+                                            Out[b, g * r_tile + r, t, s0 + j] = T.Select(
+                                                Masked[b, 0, t, s0 + j], Fill[()],
+                                                (sums[r * j_tile + j] + sums_r[r * j_tile + j]) * Scale[()])
 
     return masked_scores
 

@@ -25,6 +25,7 @@ SHAPES = [  # b, t, s, capacity, heads, width
     (1, 64, 64, 64, 4, 64),
     (2, 3, 11, 32, 4, 8),     # a cache buffer longer than its length (in place), a width of 8 lanes
     (1, 1, 5, 9, 2, 24),      # a width of 8-lane vectors, 3 of them
+    (2, 64, 80, 96, 3, 48),   # prefill (from TRANSPOSE_AT tokens): the transposed cache, a last span of 16
 ]
 
 
@@ -40,7 +41,8 @@ def test_scores_kernel_equals_einsum(b, t, s, cap, heads, width):
     out = tvm.runtime.empty((b, heads, t, s), "float32")
     _compile(scores_kernel(heads, width))(tvm.runtime.tensor(q), tvm.runtime.tensor(k), s, out)
     want = np.einsum("bthc,bsc->bhts", q.astype(np.float64), k[:, :s].astype(np.float64))
-    # fp32 sums of `width` products in another order (16 partial sums, then the lanes): ~1e-6 of sqrt(width)
+    # fp32 sums of `width` products in another order (16 partial sums, then the lanes; in c order from TRANSPOSE_AT
+    # tokens): ~1e-6 of sqrt(width)
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-5 * np.sqrt(width))
 
 
@@ -178,7 +180,8 @@ MASKED_SHAPES = [  # b, t, s, capacity, heads, width, rope width
     (1, 5, 9, 9, 8, 128, 32),     # k3-small's heads and widths: lane-wise sums for both parts
     (2, 3, 11, 16, 2, 32, 8),     # k3-tiny's: folded sums, a cache buffer longer than its length
     (1, 1, 17, 20, 3, 48, 24),    # decode, odd heads, a last tile of one position
-    (1, 70, 70, 70, 4, 64, 16),   # whole tiles masked (the upper triangle) and skipped
+    (1, 70, 70, 70, 4, 64, 16),   # whole tiles masked (the upper triangle) and skipped; prefill: transposed spans
+    (2, 64, 70, 72, 2, 32, 8),    # prefill of a batch, a last span of 6, a longer cache buffer
 ]
 
 
@@ -202,11 +205,16 @@ def test_masked_scores_kernel_gives_the_chain_s_bits(b, t, s, cap, heads, width,
     _compile(scores_kernel(heads, width))(tvm.runtime.tensor(q), tvm.runtime.tensor(k), s, s1)
     _compile(scores_kernel(heads, rope))(tvm.runtime.tensor(qr), tvm.runtime.tensor(kr), s, s2)
     fused = _compile(masked_scores_kernel(heads, width, rope))
+    exact = (np.einsum("bthc,bsc->bhts", q.astype(np.float64), k[:, :s].astype(np.float64))
+             + np.einsum("bthr,bsr->bhts", qr.astype(np.float64), kr[:, :s].astype(np.float64))) * 0.125
     for masked in (causal, np.zeros_like(causal)):
         out = tvm.runtime.empty((b, heads, t, s), "float32")
         fused(*(tvm.runtime.tensor(x) for x in (q, k, qr, kr, masked, scale, fill)), s, out)
         want = np.where(masked, fill, (s1.numpy() + s2.numpy()) * scale)
         np.testing.assert_array_equal(out.numpy(), want)
+        # and the scores themselves: fp32 sums of width + rope products, scaled (as test_scores_kernel_equals_einsum)
+        np.testing.assert_allclose(out.numpy(), np.where(masked, fill, exact), rtol=0,
+                                   atol=2e-5 * np.sqrt(width + rope))
 
 
 def _mla_chain(mask_batch):
