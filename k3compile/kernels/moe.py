@@ -51,7 +51,7 @@ from __future__ import annotations
 PREFETCH_ROWS = 128
 # Pairs of one expert the grouped path multiplies by a decoded tile at once: their 3 x 4 accumulators in registers,
 # each row of the tile read once for the three (k3-small's shapes, docs/toolchain.md "CPU schedules": 128 tokens
-# 1.17x, 512 and 2048 tokens 1.26x against one pair at a time; 2 and 4 pairs slower than 3 at 512 tokens).
+# 1.17x, 512 tokens 1.25x, 2048 tokens 1.27x against one pair at a time; 2 and 4 pairs slower than 3 at 512).
 GROUP_PAIRS = 3
 GROUPED_AT = 12  # pairs an expert (on average) from which the kernel groups them (`grouped`)
 

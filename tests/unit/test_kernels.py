@@ -286,6 +286,23 @@ def moe_pairs_lib():
     return tvm.compile(tvm.IRModule({"main": f}), target=cpu.tvm())["main"]
 
 
+def _routed(lib, routes, seed):
+    """moe_pairs_lib's inputs for tokens routed by `routes` (top-2 over ids 0-9, the slice [1, 9)), and run(rows):
+    the kernel's output for those rows of the batch, in that order."""
+    from k3compile.kernels.moe import expert_tiles
+
+    args = _moe_inputs(len(routes), 64, 32, 8, 2, high=10, seed=seed)
+    args[1] = torch.tensor(routes)
+    tiles = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in args[3:]]
+
+    def run(rows):
+        y = tvm.runtime.empty((len(rows), 64), "float32")
+        lib(*(tvm.runtime.tensor(x[rows].numpy()) for x in args[:3]), *tiles, y)
+        return y.numpy()
+
+    return args, run
+
+
 @settings(max_examples=25, deadline=None)
 @given(routes=st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=2), min_size=1, max_size=9),
        seed=st.integers(0, 2**16))
@@ -294,20 +311,12 @@ def test_pairs_in_expert_order_give_each_token_its_own_bits(moe_pairs_lib, route
     task (each row decoded once for both): tokens sharing experts, routed outside the slice (0 and 9), or repeating
     one expert in both slots, each get the bits they get alone (neither the order of the tasks nor a second pair
     beside its own enters a token's sums), and the op's output within fp32 summation order."""
-    from k3compile.kernels.moe import expert_tiles, grouped
+    from k3compile.kernels.moe import grouped
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
     n = len(routes)
     assert not grouped(n, 2, 8)
-    args = _moe_inputs(n, 64, 32, 8, 2, high=10, seed=seed)
-    args[1] = torch.tensor(routes)
-    tiles = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in args[3:]]
-
-    def run(rows):
-        y = tvm.runtime.empty((len(rows), 64), "float32")
-        moe_pairs_lib(*(tvm.runtime.tensor(x[rows].numpy()) for x in args[:3]), *tiles, y)
-        return y.numpy()
-
+    args, run = _routed(moe_pairs_lib, routes, seed)
     together = run(list(range(n)))
     for t in range(n):
         assert together[t].tobytes() == run([t])[0].tobytes()
@@ -323,21 +332,13 @@ def test_grouped_pairs_give_each_token_its_bits_in_any_batch_order(moe_pairs_lib
     once and by the rest one at a time: which pairs share a group follows the batch's order, a token's bits do not
     (each pair's sums are the same expressions in the same order), and the output is the op's within fp32
     summation order."""
-    from k3compile.kernels.moe import GROUP_PAIRS, expert_tiles, grouped
+    from k3compile.kernels.moe import GROUP_PAIRS, grouped
     from k3compile.ops.latent_moe_dispatch import latent_moe_dispatch
 
     assert grouped(n, 2, 8) and GROUP_PAIRS > 1
     routes = data.draw(st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=2), min_size=n, max_size=n))
     order = data.draw(st.permutations(range(n)))
-    args = _moe_inputs(n, 64, 32, 8, 2, high=10, seed=seed)
-    args[1] = torch.tensor(routes)
-    tiles = [tvm.runtime.tensor(expert_tiles(x.numpy())) for x in args[3:]]
-
-    def run(rows):
-        y = tvm.runtime.empty((len(rows), 64), "float32")
-        moe_pairs_lib(*(tvm.runtime.tensor(x[rows].numpy()) for x in args[:3]), *tiles, y)
-        return y.numpy()
-
+    args, run = _routed(moe_pairs_lib, routes, seed)
     together, shuffled = run(list(range(n))), run(order)
     for i, t in enumerate(order):
         assert shuffled[i].tobytes() == together[t].tobytes()
