@@ -10,8 +10,14 @@ live server process over HTTP, as a client sees it.
   artifact in this process (the serving overhead: HTTP, SSE, the engine's bookkeeping).
 
 Repetitions are interleaved and the figures are medians. The server runs with the same thread count as `generate`
-here, one of them at a time (the server is idle while `generate` runs). Requests ask `ignore_eos` (an extension
-of this server, as vLLM's), so every request generates exactly `tokens` tokens whatever the random weights pick.
+here, one of them at a time (the server is idle while `generate` runs), and each measurement starts after a pause
+(bench.PAUSE_S): TVM's idle workers spin a fixed number of yields after their last task, which on busy cores
+stretches over seconds, so the pool of the process that ran last took cores from the next measurement (this
+process's worker, after `generate`, spun through the next repetition's uncached prompt and took ~half a core for
+~1 s after the cached one, into the concurrent streams; the server's, after the one-by-one requests, into
+`generate`). k3-small on the AMD EPYC VM, `--repeats 5`: 8 streams 2.85x one by one without the pauses, 3.21x with.
+Requests ask `ignore_eos` (an extension of this server, as vLLM's), so every request generates exactly `tokens`
+tokens whatever the random weights pick.
 
 SOURCE is anything `serve` runs: a preset, config or checkpoint (its llvm artifact, built into the cache; with
 `matmul_precision` "bf16" compiled as `compile --matmul-precision bf16` compiles it), a compiled
@@ -97,7 +103,7 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
     import httpx
 
     from k3compile.backends.choose import open_backend
-    from k3compile.bench import _quiet
+    from k3compile.bench import PAUSE_S, _quiet
     from k3compile.cache import cached_artifact, cached_sharded
     from k3compile.generate import generate
     from k3compile.manifest import is_sharded, loose_manifest
@@ -158,6 +164,7 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
             for r in range(repeats):
                 step(f"repetition {r + 1} of {repeats}")
                 shared = ids(prefix)
+                time.sleep(PAUSE_S)  # before each measurement: the other process's workers go idle (docstring)
                 rows["ttft_miss_s"].append(_stream(client, url, model, shared + ids(suffix), 1)[0])
                 rows["ttft_hit_s"].append(_stream(client, url, model, shared + ids(suffix), 1)[0])
                 prompts = [ids(16) for _ in range(clients)]
@@ -182,14 +189,17 @@ def run_serve_bench(source: str = "k3-small", threads: int | None = None, repeat
                         counts = await asyncio.gather(*(one(p) for p in prompts))
                         return counts, time.perf_counter() - t0
 
+                time.sleep(PAUSE_S)
                 counts, wall = asyncio.run(together())
                 if sum(counts) != clients * tokens:
                     raise ServeBenchError(f"concurrent requests got {sum(counts)} tokens, not {clients * tokens}")
                 rows["concurrent_tok_s"].append(clients * tokens / wall)
+                time.sleep(PAUSE_S)
                 t0 = time.perf_counter()
                 rates = [_decode_rate(_stream(client, url, model, p, tokens)) for p in prompts]
                 rows["serial_tok_s"].append(clients * tokens / (time.perf_counter() - t0))
                 rows["serve_decode_tok_s"].append(statistics.median(rates))
+                time.sleep(PAUSE_S)
                 g = generate(backend, [prompts[0]], tokens)
                 rows["generate_decode_tok_s"].append(g.decode_tokens_per_s)
             after = _quiet(step, "after the measurements", allow_busy)
