@@ -26,6 +26,7 @@ from k3compile.cli.common import (
 from k3compile.config import EXPERT_CHOICES
 from k3compile.presets import DEFAULT_PRESET
 from k3compile.serving.app import DEFAULT_CACHE_BYTES
+from k3compile.serving.engine import BATCH_WAIT_S
 
 LOCAL = "127.0.0.1"
 
@@ -43,6 +44,9 @@ LOCAL = "127.0.0.1"
               help="The model name clients ask for (default: the preset's name, or SOURCE's folder name).")
 @click.option("--max-batch", default=8, show_default=True, type=IntRange(min=1, max=1024),
               help="Requests decoded together in the running batch.")
+@click.option("--batch-wait-ms", default=BATCH_WAIT_S * 1e3, show_default=True, type=FiniteFloat(min=0.0, max=1000.0),
+              help="An idle server woken by short prompts waits while more arrive, each within this many ms of the "
+                   "last (10 waits at most), so requests sent together are prefilled together (0: no wait).")
 @click.option("--max-queue", default=64, show_default=True, type=IntRange(min=0),
               help="Requests waiting for a row; one more is answered 429.")
 @click.option("--prefill-chunk", default=None, type=IntRange(min=1),
@@ -67,7 +71,7 @@ LOCAL = "127.0.0.1"
 @START_TIMEOUT_OPTION
 @node_options
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def command(source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
+def command(source, host, port, api_key, model_name, max_batch, batch_wait_ms, max_queue, prefill_chunk, cache_block,
             prefix_cache_bytes, backend, device, weight_seed, experts, threads, timeout, wire, start_timeout, nnodes,
             node_rank, rendezvous, quiet):
     """Serve SOURCE (default: the k3-tiny preset) over the OpenAI API: /v1/chat/completions and /v1/completions
@@ -93,7 +97,7 @@ def command(source, host, port, api_key, model_name, max_batch, max_queue, prefi
                 timeout=timeout, wire=wire, rendezvous=rdzv if nnodes > 1 else None, start_timeout=start_timeout))
         try:
             _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk,
-                   cache_block, prefix_cache_bytes, quiet)
+                   cache_block, prefix_cache_bytes, quiet, batch_wait_ms / 1e3)
         finally:
             if hasattr(engine_backend, "close"):  # a sharded artifact's ranks
                 engine_backend.close()
@@ -120,13 +124,14 @@ def _serve_node(source, rdzv, threads, device, timeout, wire, start_timeout, qui
 
 
 def _serve(engine_backend, source, host, port, api_key, model_name, max_batch, max_queue, prefill_chunk, cache_block,
-           prefix_cache_bytes, quiet) -> None:
+           prefix_cache_bytes, quiet, batch_wait: float) -> None:
     from k3compile.serving.app import create_server, serve
     from k3compile.source import kind_of, tokenizer_for
 
     tokenizer = tokenizer_for(source, engine_backend.config)
     app, engine = create_server(engine_backend, tokenizer, model_name or _default_name(source, kind_of(source)),
-                                api_key, max_batch, max_queue, prefill_chunk, cache_block, prefix_cache_bytes)
+                                api_key, max_batch, max_queue, prefill_chunk, cache_block, prefix_cache_bytes,
+                                batch_wait)
     if host not in (LOCAL, "localhost", "::1") and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who reaches it can use it", err=True)
 

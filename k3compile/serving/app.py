@@ -27,7 +27,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3compile.prefix_cache import PrefixCache
-from k3compile.serving.engine import Engine, Event, QueueFull, RequestError, Sampling
+from k3compile.serving.engine import BATCH_WAIT_S, Engine, Event, QueueFull, RequestError, Sampling
 from k3compile.serving.engine import Request as EngineRequest
 from k3compile.serving.metrics import Metrics
 
@@ -364,10 +364,10 @@ def create_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
 
 def create_server(backend, tokenizer, model_name: str, api_key: str | None = None, max_batch: int = 8,
                   max_queue: int = 64, prefill_chunk: int | None = None, cache_block: int = 256,
-                  cache_bytes: int = DEFAULT_CACHE_BYTES):
+                  cache_bytes: int = DEFAULT_CACHE_BYTES, batch_wait: float = BATCH_WAIT_S):
     """(the ASGI app, its started engine) for `backend`: what `k3compile serve` runs."""
     cache = PrefixCache(backend.config, cache_block, cache_bytes) if cache_bytes else None
-    engine = Engine(backend, tokenizer, max_batch, max_queue, prefill_chunk, cache, Metrics()).start()
+    engine = Engine(backend, tokenizer, max_batch, max_queue, prefill_chunk, cache, Metrics(), batch_wait).start()
     app = create_app(engine, model_name, api_key)
     app.state.model_name = model_name
     return app, engine

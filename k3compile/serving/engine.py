@@ -9,7 +9,10 @@ one left-padded step instead and join together (docs/architecture.md, "Serving")
 joins the batch when its prefill ends (state.join_rows: left padding), and leaves it when it finishes or its client
 goes (state.take_rows), between steps; its tokens are picked with its own sampling settings and its own seeded
 sampler (decoding.Sampler, the one every runtime uses), so a request's tokens do not depend on what else runs beside
-it beyond the float rounding of a batched matmul. Requests wait in a bounded queue (`QueueFull` when it is full);
+it beyond the float rounding of a batched matmul. An idle engine woken by
+short prompts waits while more keep arriving (each within `batch_wait` seconds of the last, BATCH_WAIT_ROUNDS such
+waits at most) before it prefills them: clients that send together are prefilled together. Requests wait in a
+bounded queue (`QueueFull` when it is full);
 what can be refused is refused in `submit`, before any work. Events go to each request's `emit` from the engine
 thread.
 """
@@ -43,6 +46,14 @@ from k3compile.state import join_rows, on_host, take_rows
 from k3compile.threads import glue_threads
 
 log = logging.getLogger(__name__)
+
+# How long an idle engine woken by short prompts waits for the next to arrive, and how many such waits at most
+# (docs/architecture.md, "Serving"). 8 streamed requests sent at once by one client reach the engine over ~10 ms
+# (the event loop reads and checks each, ~0.5-3 ms apart, measured on k3-small): without the wait the first was
+# prefilled alone and the rest in a second step, ~80 ms more of a k3-small batch-8 run's ~1.9 s. A lone request
+# pays one wait in its time to first token.
+BATCH_WAIT_S = 0.003
+BATCH_WAIT_ROUNDS = 10
 
 
 class RequestError(UserError):
@@ -114,9 +125,11 @@ def _pick(request: Request, last) -> int:
 
 class Engine:
     def __init__(self, backend, tokenizer=None, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int | None = None, cache=None, metrics=None) -> None:
-        if max_batch < 1 or max_queue < 0:
-            raise UserError(f"max batch must be >= 1 and max queue >= 0, got {max_batch} and {max_queue}")
+                 prefill_chunk: int | None = None, cache=None, metrics=None, batch_wait: float = BATCH_WAIT_S) -> None:
+        if max_batch < 1 or max_queue < 0 or not batch_wait >= 0:
+            raise UserError(f"max batch must be >= 1, max queue and batch wait >= 0, got {max_batch}, {max_queue} "
+                            f"and {batch_wait}")
+        self.batch_wait = batch_wait
         self.backend, self.tokenizer, self.cache, self.metrics = backend, tokenizer, cache, metrics
         self.config = backend.config
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
@@ -127,6 +140,7 @@ class Engine:
             self.eos_ids |= set(tokenizer.eos_ids)
         self._step = step_last_of(backend)
         self._waiting: deque[Request] = deque()
+        self._arrivals = 0  # requests submitted so far (_gather: whether another came while it waited)
         self._admitting: tuple[Request, RowPrefill] | None = None
         self._rows: list[_Row] = []
         self._past = None
@@ -164,6 +178,7 @@ class Engine:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the queue holds {self.max_queue} waiting requests: try again later")
             self._waiting.append(request)
+            self._arrivals += 1
             self._cond.notify()
         if self.metrics:
             self.metrics.queue(len(self._waiting))
@@ -204,10 +219,26 @@ class Engine:
                         self._cond.wait()
                     if self._stop:
                         break
+                    self._gather()
                 self.turn()
         for request in [*self._waiting, *(r.request for r in self._rows),
                         *([self._admitting[0]] if self._admitting else [])]:
             request.emit(Event("error", message="the server shut down"))
+
+    def _gather(self) -> None:
+        """(Holding the condition.) An idle engine whose waiting requests are all short (`_short`: prefilled
+        together) waits while more arrive, each within `batch_wait` seconds of the last, BATCH_WAIT_ROUNDS waits at
+        most, until the batch is full: requests sent together are prefilled in one step, not the first alone."""
+        if self.batch_wait <= 0 or self._rows or self._admitting is not None:
+            return
+        for _ in range(BATCH_WAIT_ROUNDS):
+            if (self._stop or not self._waiting or len(self._waiting) >= self.max_batch
+                    or not all(self._short(r) for r in self._waiting)):
+                return
+            seen = self._arrivals
+            self._cond.wait(self.batch_wait)
+            if self._arrivals == seen:
+                return
 
     def turn(self) -> None:
         """One turn: admit a waiting request (one prefill chunk), then one decode step of the running batch."""

@@ -3,6 +3,8 @@ request gets equals `generate` on that request alone, whatever joins or leaves b
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -200,6 +202,39 @@ def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monk
     monkeypatch.undo()
     for (prompt, n, kw), (r, sink) in zip(specs, reqs):
         assert sink.tokens == generate(backend, [prompt], n, eos_token_id=2, **kw).tokens[0] == r.tokens
+
+
+def test_an_idle_engine_waits_for_requests_sent_together(backend, monkeypatch):
+    """The engine's own thread, woken by the first of several short requests that arrive one after another (a
+    client's concurrent streams reach the engine over milliseconds), waits while they keep coming (Engine._gather)
+    and prefills them in one step; a request that comes once the batch runs joins it after its own prefill. Without
+    the wait the first was prefilled alone. The gaps here (10 ms) are far inside the wait (0.5 s), so a
+    slow machine does not split the group."""
+    shapes = []
+    step = backend.step
+
+    def recording(ids, mask, past):
+        shapes.append(tuple(ids.shape))
+        return step(ids, mask, past)
+
+    monkeypatch.setattr(backend, "step", recording)
+    reqs = [_request(_prompt(3 + i, 40 + i), 4) for i in range(6)]
+    with Engine(backend, max_batch=8, batch_wait=0.5) as engine:
+        for r, _ in reqs[:5]:
+            engine.submit(r)
+            time.sleep(0.01)
+        deadline = time.monotonic() + 60
+        while not reqs[0][1].tokens and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.submit(reqs[5][0])
+        while not all(s.finish for _, s in reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    monkeypatch.undo()
+    assert shapes[0] == (5, 7)  # the five prompts (3 to 7 tokens) left-padded into one step
+    assert (1, 8) in shapes  # the sixth, alone: the batch was running
+    for r, sink in reqs:
+        assert sink.finish == "length"
+        assert sink.tokens == generate(backend, [r.prompt], 4, eos_token_id=2).tokens[0]
 
 
 @pytest.mark.parametrize("poisoned", ["prefill", "decode"])
