@@ -9,12 +9,11 @@ one left-padded step instead and join together (docs/architecture.md, "Serving")
 joins the batch when its prefill ends (state.join_rows: left padding), and leaves it when it finishes or its client
 goes (state.take_rows), between steps; its tokens are picked with its own sampling settings and its own seeded
 sampler (decoding.Sampler, the one every runtime uses), so a request's tokens do not depend on what else runs beside
-it beyond the float rounding of a batched matmul. An idle engine woken by
-short prompts waits while more keep arriving (each within `batch_wait` seconds of the last, BATCH_WAIT_ROUNDS such
-waits at most) before it prefills them: clients that send together are prefilled together. Requests wait in a
-bounded queue (`QueueFull` when it is full);
-what can be refused is refused in `submit`, before any work. Events go to each request's `emit` from the engine
-thread.
+it beyond the float rounding of a batched matmul. An idle engine woken by short prompts waits while more keep
+arriving (each within `batch_wait` seconds of the last, BATCH_WAIT_ROUNDS such waits at most) before it prefills
+them: clients that send together are prefilled together. Requests wait in a bounded queue (`QueueFull` when it is
+full); what can be refused is refused in `submit`, before any work. Events go to each request's `emit` from the
+engine thread.
 """
 
 from __future__ import annotations
