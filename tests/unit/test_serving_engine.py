@@ -176,10 +176,8 @@ def test_a_failing_step_fails_its_requests_only(backend, monkeypatch):
     assert sg.tokens == generate(backend, [good.prompt], 3, eos_token_id=2).tokens[0]
 
 
-def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monkeypatch):
-    """Prompts shorter than a cache block and a chunk that wait together are prefilled in one left-padded step, up to
-    the batch's free rows and up to the first prompt that is not short (it goes alone, in chunks, from the cache);
-    each request still gets what `generate` gives it alone, with its own sampling settings."""
+def _step_shapes(backend, monkeypatch) -> list:
+    """`backend.step` patched to record the shape of each call's ids, in the list returned."""
     shapes = []
     step = backend.step
 
@@ -188,6 +186,14 @@ def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monk
         return step(ids, mask, past)
 
     monkeypatch.setattr(backend, "step", recording)
+    return shapes
+
+
+def test_short_prompts_waiting_together_are_prefilled_as_one_batch(backend, monkeypatch):
+    """Prompts shorter than a cache block and a chunk that wait together are prefilled in one left-padded step, up to
+    the batch's free rows and up to the first prompt that is not short (it goes alone, in chunks, from the cache);
+    each request still gets what `generate` gives it alone, with its own sampling settings."""
+    shapes = _step_shapes(backend, monkeypatch)
     engine = Engine(backend, max_batch=3, prefill_chunk=8, cache=PrefixCache(backend.config, 8))
     specs = [(_prompt(3, 11), 5, {}), (_prompt(6, 12), 4, {"temperature": 0.8, "seed": 3}), (_prompt(20, 13), 3, {}),
              (_prompt(5, 14), 6, {}), (_prompt(7, 15), 3, {})]
@@ -208,16 +214,9 @@ def test_an_idle_engine_waits_for_requests_sent_together(backend, monkeypatch):
     """The engine's own thread, woken by the first of several short requests that arrive one after another (a
     client's concurrent streams reach the engine over milliseconds), waits while they keep coming (Engine._gather)
     and prefills them in one step; a request that comes once the batch runs joins it after its own prefill. Without
-    the wait the first was prefilled alone. The gaps here (10 ms) are far inside the wait (0.5 s), so a
-    slow machine does not split the group."""
-    shapes = []
-    step = backend.step
-
-    def recording(ids, mask, past):
-        shapes.append(tuple(ids.shape))
-        return step(ids, mask, past)
-
-    monkeypatch.setattr(backend, "step", recording)
+    the wait the first was prefilled alone. The gaps here (10 ms) are far inside the wait (0.5 s), so a slow machine
+    does not split the group."""
+    shapes = _step_shapes(backend, monkeypatch)
     reqs = [_request(_prompt(3 + i, 40 + i), 4) for i in range(6)]
     with Engine(backend, max_batch=8, batch_wait=0.5) as engine:
         for r, _ in reqs[:5]:
